@@ -1,0 +1,28 @@
+# eagle3-datagen: chat conversations in, EAGLE-3 training data (target hidden states) out.
+# tokenize -> extract -> validate -> pack -> report; see README.md.
+
+
+configfile: "config/config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/demo.smk"
+include: "rules/tokenize.smk"
+include: "rules/extract.smk"
+include: "rules/validate.smk"
+include: "rules/pack.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        rules.pack.output.dataset,
+        rules.report.output,
+
+
+onerror:
+    print(
+        f"eagle3-datagen: a job failed. Logs are under {RUN_DIR}/logs/; finished samples are kept in "
+        f"{RUN_DIR}/states/ and the same command re-runs only what is missing or failed."
+    )

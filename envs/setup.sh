@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv at the repo root with the pinned, tested stack (CPU engine by default, GPU with
+# EAGLE3_ENGINE=gpu) and this project installed. Safe to re-run: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+engine=${EAGLE3_ENGINE:-cpu}
+python3 -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check -r "requirements-${engine}.txt" -e ".[test]" \
+  --config-settings editable_mode=strict
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` next to a
+# CPU torch ("operator torchvision::nms does not exist"); text models need none of them.
+.venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import vllm, eagle3data; print('eagle3data ready:', vllm.__version__)"

@@ -1,0 +1,33 @@
+# Config validation, shard bookkeeping and paths shared by every rule.
+import math
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+from eagle3data.conversations import count_conversations
+
+validate(config, workflow.source_path("../config/schema.yaml"))
+
+RUN = config["run"]
+RUN_DIR = f"results/{RUN}"
+N_CONVERSATIONS = count_conversations(config["input"])
+N_SHARDS = max(1, math.ceil(N_CONVERSATIONS / config["shard_size"]))
+SHARDS = [f"{i:05d}" for i in range(N_SHARDS)]
+GPUS_PER_EXTRACT = (
+    config["engine"]["tensor_parallel_size"]
+    if config["engine"]["device"] == "cuda"
+    else 0
+)
+
+
+def shard_rows(wildcards):
+    """Input rows [start, stop) of a shard: contiguous, so appends never reshuffle shards."""
+    start = int(wildcards.shard) * config["shard_size"]
+    return start, min(start + config["shard_size"], N_CONVERSATIONS)
+
+
+def model_input(wildcards):
+    """The demo model is built by a rule; a real checkpoint is read in place (not a DAG input, so
+    dry runs plan without it)."""
+    return config["model"]["path"] if config["model"]["build_demo"] else []

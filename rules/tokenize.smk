@@ -1,0 +1,23 @@
+# Render each shard's conversations with the chat template; assistant-only loss mask; skips recorded.
+rule tokenize:
+    input:
+        conversations=config["input"],
+        model=model_input,
+    output:
+        tokenized=f"{RUN_DIR}/tokenized/shard-{{shard}}.parquet",
+        skipped=f"{RUN_DIR}/tokenized/shard-{{shard}}.skipped.parquet",
+    log:
+        f"{RUN_DIR}/logs/tokenize/shard-{{shard}}.log",
+    benchmark:
+        f"{RUN_DIR}/benchmarks/tokenize/shard-{{shard}}.tsv"
+    conda:
+        "../envs/eagle3data.yaml"
+    params:
+        rows=shard_rows,
+        model_path=config["model"]["path"],
+        trust_remote_code=config["model"]["trust_remote_code"],
+        sequence=config["sequence"],
+    message:
+        "Tokenizing shard {wildcards.shard}"
+    script:
+        "../scripts/tokenize_shard.py"

@@ -1,0 +1,105 @@
+"""The packed dataset format: a Hugging Face `datasets` Arrow dataset, and how to read it back.
+
+Arrow and `datasets` have no bfloat16, and handing them bf16 tensors silently widens them to float32.
+So `hidden_states` holds the raw 16-bit patterns: per sample a list of L rows, each a fixed-size list of
+`n_captures * H` uint16 (slot-major within a token), and `open_dataset` views them back as bf16
+`[L, n_captures, H]` without copying. What each slot means is in the metadata (`eagle3` key of the
+dataset info), written by `pack` and checked by `open_dataset`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import torch
+
+METADATA_FILE = "eagle3_metadata.json"
+FORMAT_VERSION = 1
+COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len", "hidden_states")
+STORAGE_DTYPES = {"bfloat16": ("uint16", torch.bfloat16), "float32": ("float32", torch.float32)}
+
+
+def features(n_captures: int, hidden_size: int, dtype: str) -> datasets.Features:
+    storage = STORAGE_DTYPES[dtype][0]
+    return datasets.Features(
+        {
+            "sample_id": datasets.Value("string"),
+            "input_ids": datasets.List(datasets.Value("int32")),
+            "loss_mask": datasets.List(datasets.Value("int8")),
+            "seq_len": datasets.Value("int32"),
+            "hidden_states": datasets.List(
+                datasets.List(datasets.Value(storage), length=n_captures * hidden_size)
+            ),
+        }
+    )
+
+
+def states_array(states: list[torch.Tensor], dtype: str) -> pa.Array:
+    """Per-sample `[L, n, H]` tensors as the `hidden_states` column, without widening bf16."""
+    storage, torch_dtype = STORAGE_DTYPES[dtype]
+    width = states[0].shape[1] * states[0].shape[2]
+    flat = torch.cat([s.reshape(-1) for s in states])
+    if flat.dtype != torch_dtype:
+        raise TypeError(f"hidden_states: expected {torch_dtype}, found {flat.dtype}")
+    values = pa.array(flat.view(torch.uint16 if storage == "uint16" else flat.dtype).numpy())
+    rows = pa.FixedSizeListArray.from_arrays(values, width)
+    offsets = np.cumsum([0] + [s.shape[0] for s in states], dtype=np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), rows)
+
+
+class DatasetFormatError(ValueError):
+    pass
+
+
+class PackedDataset:
+    """A packed dataset opened for reading: `len()`, indexing and iteration yield torch tensors."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        meta_file = self.path / METADATA_FILE
+        if not meta_file.is_file():
+            raise DatasetFormatError(f"{self.path}: no {METADATA_FILE}; not a dataset written by pack")
+        self.metadata = json.loads(meta_file.read_text())
+        if self.metadata.get("format_version") != FORMAT_VERSION:
+            raise DatasetFormatError(
+                f"{self.path}: format_version {self.metadata.get('format_version')}, "
+                f"this reader knows {FORMAT_VERSION}"
+            )
+        self.hf = datasets.load_from_disk(str(self.path)).with_format("arrow")
+        self.n_captures = len(self.metadata["captures"])
+        self.hidden_size = self.metadata["hidden_size"]
+        self._torch_dtype = STORAGE_DTYPES[self.metadata["dtype"]][1]
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+    def __getitem__(self, index: int) -> dict:
+        return next(self._rows(self.hf[index : index + 1]))
+
+    def __iter__(self) -> Iterator[dict]:
+        for batch in self.hf.iter(batch_size=64):
+            yield from self._rows(batch)
+
+    def _rows(self, table: pa.Table) -> Iterator[dict]:
+        for i in range(table.num_rows):
+            ids = table.column("input_ids")[i].values.to_numpy(zero_copy_only=False)
+            mask = table.column("loss_mask")[i].values.to_numpy(zero_copy_only=False)
+            rows = table.column("hidden_states")[i].values  # FixedSizeList, one per token
+            flat = rows.flatten().to_numpy(zero_copy_only=True)
+            states = torch.from_numpy(flat).view(self._torch_dtype)
+            yield {
+                "sample_id": table.column("sample_id")[i].as_py(),
+                "input_ids": torch.from_numpy(ids.astype(np.int64)),
+                "loss_mask": torch.from_numpy(mask.astype(np.int64)),
+                "hidden_states": states.view(len(ids), self.n_captures, self.hidden_size),
+            }
+
+
+def open_dataset(path: str | Path) -> PackedDataset:
+    """Open a packed dataset: rows have `input_ids`, `loss_mask` and bf16 `hidden_states [L, n, H]`."""
+    return PackedDataset(path)

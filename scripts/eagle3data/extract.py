@@ -1,0 +1,136 @@
+"""The `extract` stage: states for every sample of a tokenized shard, reusing finished ones.
+
+Per-sample files live in the store (store.py), outside Snakemake's outputs, so a failed or killed job
+loses nothing: a re-run reads the store, reuses each sample whose file is whole and matches its tokens,
+and starts the engine only if something is left to compute. The shard's manifest is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from tqdm import tqdm
+
+from eagle3data import engine as engine_mod
+from eagle3data.logs import get_logger
+from eagle3data.schemas import BoundaryError, ExtractManifest, TokenizedShard, check
+from eagle3data.states import Expected, header_problems
+from eagle3data.store import atomic_path, atomic_write_text, sample_path
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class ExtractJob:
+    tokenized: str
+    manifest: str
+    stats: str
+    store_dir: str
+    model_path: str
+    trust_remote_code: bool
+    expected: Expected
+    max_seq_len: int
+    engine: dict
+
+
+def check_reply(sample_id: str, reply, expected_path: str) -> None:
+    """What comes back from the engine for one request must be the path we asked the worker to write."""
+    if not isinstance(reply, dict):
+        raise BoundaryError(
+            f"sample {sample_id}: engine reply kv_transfer_params: expected a dict with "
+            f"'hidden_states_path', found {type(reply).__name__}: {reply!r:.200}"
+        )
+    found = reply.get("hidden_states_path")
+    if found != expected_path:
+        raise BoundaryError(
+            f"sample {sample_id}: engine wrote states to {found!r}, expected {expected_path!r}"
+        )
+
+
+def wait_for_file(path: Path, timeout_s: float) -> None:
+    """The worker may still be writing (asynchronously on GPU); the rename makes the file appear whole."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine did not write {path} within {timeout_s:.0f} s")
+        time.sleep(0.01)
+
+
+def run(job: ExtractJob) -> dict:
+    shard = check(TokenizedShard, pd.read_parquet(job.tokenized), f"tokenized shard {job.tokenized}")
+    todo, manifest = [], []
+    for row in shard.itertuples(index=False):
+        path = sample_path(job.store_dir, row.sample_id)
+        if path.exists() and not header_problems(row.sample_id, str(path), row.input_ids, job.expected):
+            manifest.append((row.sample_id, row.num_tokens, str(path), "reused"))
+        else:
+            todo.append(row)
+    logger.info(
+        "shard %s: %d samples, %d reused from the store, %d to compute",
+        job.tokenized, len(shard), len(manifest), len(todo),
+    )
+    seconds = 0.0
+    if todo:
+        seconds = _compute(job, todo)
+        manifest += [(r.sample_id, r.num_tokens, str(sample_path(job.store_dir, r.sample_id)), "computed")
+                     for r in todo]
+    computed_tokens = int(sum(r.num_tokens for r in todo))
+    stats = {
+        "samples": len(shard),
+        "reused": len(shard) - len(todo),
+        "computed": len(todo),
+        "computed_tokens": computed_tokens,
+        "seconds": seconds,
+        "tokens_per_second": computed_tokens / seconds if seconds else None,
+    }
+    df = pd.DataFrame(manifest, columns=["sample_id", "num_tokens", "path", "status"])
+    df = check(ExtractManifest, df, f"extract manifest for {job.tokenized}")
+    with atomic_path(job.manifest) as tmp:
+        df.to_parquet(tmp, index=False)
+    atomic_write_text(job.stats, json.dumps(stats, indent=2))
+    logger.info("shard %s done: %s", job.tokenized, stats)
+    return stats
+
+
+def _compute(job: ExtractJob, todo: list) -> float:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = engine_mod.start_engine(
+        engine_mod.engine_kwargs(
+            job.model_path, job.expected.captures, job.expected.dtype, job.max_seq_len, job.engine,
+            job.trust_remote_code, job.store_dir,
+        ),
+        job.engine["cpu_kv_cache_gib"],
+    )
+    engine_mod.check_prompt_fits(llm, max(r.num_tokens for r in todo))
+    batch = job.engine["batch_samples"]
+    seconds = 0.0
+    progress = tqdm(total=len(todo), desc="extract", unit="sample", mininterval=5)
+    for start in range(0, len(todo), batch):
+        rows = todo[start : start + batch]
+        paths = [sample_path(job.store_dir, r.sample_id) for r in rows]
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in r.input_ids]) for r in rows]
+        params = [
+            SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"hidden_states_path": str(p)}})
+            for p in paths
+        ]
+        began = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if len(outputs) != len(rows):
+            raise BoundaryError(f"engine returned {len(outputs)} outputs for {len(rows)} prompts")
+        for row, path, output in zip(rows, paths, outputs):
+            check_reply(row.sample_id, output.kv_transfer_params, str(path))
+            wait_for_file(path, job.engine["file_timeout_s"])
+        seconds += time.perf_counter() - began
+        for row, path in zip(rows, paths):
+            problems = header_problems(row.sample_id, str(path), row.input_ids, job.expected)
+            if problems:
+                raise BoundaryError("\n".join(problems))
+        progress.update(len(rows))
+    progress.close()
+    return seconds

