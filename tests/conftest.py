@@ -1,0 +1,70 @@
+"""Shared fixtures: real Snakemake runs in temporary directories and tiny locally built models."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+DEMO_CONVERSATIONS = REPO / "data" / "demo" / "conversations.jsonl"
+
+
+def demo_config(**overrides) -> dict:
+    """The embedded default config, with absolute input paths so it runs from any directory."""
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["input"] = str(DEMO_CONVERSATIONS)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    return config
+
+
+def run_snakemake(workdir: Path, *args: str, config: dict | None = None, check: bool = True,
+                  timeout: int = 1200) -> subprocess.CompletedProcess:
+    """Run the real workflow in `workdir` (results/ land there), optionally with a config file."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2"]
+    if config is not None:
+        config_file = workdir / "test-config.yaml"
+        config_file.write_text(yaml.safe_dump(config))
+        cmd += ["--configfile", str(config_file)]
+    proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=workdir, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> Path:
+    """One full run of the embedded default; tests read (never modify) what it wrote."""
+    workdir = tmp_path_factory.mktemp("demo")
+    run_snakemake(workdir, config=demo_config())
+    return workdir
+
+
+@pytest.fixture
+def demo_copy(demo_run, tmp_path) -> Path:
+    """A private copy of the demo run's directory, for tests that change or corrupt files."""
+    target = tmp_path / "run"
+    shutil.copytree(demo_run, target, symlinks=True, ignore=shutil.ignore_patterns(".snakemake"))
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek(tmp_path_factory) -> Path:
+    """The demo's Kimi-shaped DeepSeek-V3 model and tokenizer, built locally."""
+    from eagle3data.demo import build_demo_model
+
+    out = tmp_path_factory.mktemp("tiny-deepseek") / "model"
+    build_demo_model(DEMO_CONVERSATIONS, out)
+    return out
