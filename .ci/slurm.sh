@@ -120,6 +120,7 @@ cmd_start() {
   need_root start
   installed || die "slurm is not installed (need slurmctld, slurmd, munged, sbatch); run: .ci/slurm.sh install"
   mkdir -p "$dir" && dir=$(cd "$dir" && pwd -P)
+  ((${#dir} <= 80)) || die "DIR path too long (${#dir} > 80 chars): the munge socket path must fit 108 bytes"
   alive "$dir/slurmctld.pid" slurmctld && die "a cluster is already running from $dir; run: .ci/slurm.sh stop $dir"
   local p; for p in 6817 6818; do
     port_busy $p && die "port $p is in use: another slurmctld/slurmd runs on this host; stop it first"

@@ -58,6 +58,7 @@ def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_
         enforce_eager=engine["enforce_eager"],
         enable_prefix_caching=False,
         skip_tokenizer_init=True,
+        worker_extension_cls="eagle3data.worker.CaptureInfoExtension",
         gpu_memory_utilization=engine["gpu_memory_utilization"],
         speculative_config={
             "method": "extract_hidden_states",
@@ -91,6 +92,36 @@ def start_engine(kwargs: dict, cpu_kv_cache_gib: int):
     from vllm import LLM
 
     return LLM(**kwargs)
+
+
+def check_worker_replies(replies, world_size: int, captures: list[Capture], dtype: str) -> None:
+    """Every worker's reply to `eagle3_capture_info`: a list with one dict per worker, each capturing
+    exactly the configured layers in the configured dtype. Names what was expected and what came."""
+    if not isinstance(replies, list):
+        raise EngineError(
+            f"worker replies: expected a list of {world_size} replies (one per worker), found "
+            f"{type(replies).__name__}: {replies!r:.200}"
+        )
+    if len(replies) != world_size:
+        raise EngineError(f"worker replies: expected {world_size} (one per worker), found {len(replies)}")
+    want = vllm_aux_layer_ids(captures)
+    for reply in replies:
+        if not isinstance(reply, dict):
+            raise EngineError(
+                f"worker reply: expected a dict, found {type(reply).__name__}: {reply!r:.200}"
+            )
+        if reply.get("aux_layer_ids") != want or reply.get("dtype") != dtype:
+            raise EngineError(
+                f"worker (tp rank {reply.get('tp_rank')}) captures layers {reply.get('aux_layer_ids')} "
+                f"in {reply.get('dtype')}, expected {want} in {dtype}"
+            )
+
+
+def verify_engine(llm, captures: list[Capture], dtype: str, world_size: int) -> None:
+    """Ask the workers what they will capture, before any sample is computed."""
+    replies = llm.collective_rpc("eagle3_capture_info")
+    check_worker_replies(replies, world_size, captures, dtype)
+    logger.info("workers confirm captures %s in %s", vllm_aux_layer_ids(captures), dtype)
 
 
 def check_prompt_fits(llm, longest_prompt: int) -> None:

@@ -107,6 +107,9 @@ def _compute(job: ExtractJob, todo: list) -> float:
         ),
         job.engine["cpu_kv_cache_gib"],
     )
+    engine_mod.verify_engine(
+        llm, job.expected.captures, job.expected.dtype, job.engine["tensor_parallel_size"]
+    )
     engine_mod.check_prompt_fits(llm, max(r.num_tokens for r in todo))
     batch = job.engine["batch_samples"]
     seconds = 0.0

@@ -1,0 +1,76 @@
+"""Start and stop a real single-node SLURM (``.ci/slurm.sh``) around tests that submit jobs.
+
+Tests of the SLURM executor path need a live slurmctld/slurmd; this wraps the CI script so that a
+pytest fixture can do ``with local_slurm(tmp_path) as conf: ...``. Raises :class:`SlurmUnavailable`
+when SLURM is not installed (or we are not root); callers may turn that into a skip only when
+``EAGLE3_ALLOW_SKIP_SLURM=1`` (see :func:`skip_allowed`), otherwise it is a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / ".ci" / "slurm.sh"
+ALLOW_SKIP_ENV = "EAGLE3_ALLOW_SKIP_SLURM"
+DAEMONS = ("/usr/sbin/munged", "/usr/sbin/slurmctld", "/usr/sbin/slurmd")
+CLIENTS = ("sbatch", "squeue", "sinfo", "scancel")
+
+
+class SlurmUnavailable(RuntimeError):
+    """SLURM cannot be started on this machine (not installed, or not root)."""
+
+
+def skip_allowed() -> bool:
+    """True when the environment allows skipping SLURM tests instead of failing them."""
+    return os.environ.get(ALLOW_SKIP_ENV) == "1"
+
+
+def unavailable_reason() -> str | None:
+    """Why a local SLURM cannot be started here, or None if it can."""
+    if os.geteuid() != 0:
+        return "local SLURM needs root (slurmd, mknod); run the tests as root"
+    missing = [p for p in DAEMONS if not os.access(p, os.X_OK)]
+    missing += [c for c in CLIENTS if shutil.which(c) is None]
+    if missing:
+        return f"SLURM is not installed (missing: {', '.join(missing)}); run: .ci/slurm.sh install"
+    return None
+
+
+def _run(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def local_slurm(tmp_dir: str | Path) -> Iterator[Path]:
+    """Run a local SLURM under ``tmp_dir/slurm``; yields the slurm.conf path, set as SLURM_CONF."""
+    reason = unavailable_reason()
+    if reason:
+        raise SlurmUnavailable(reason)
+    state = Path(tmp_dir) / "slurm"
+    started = _run("start", state)
+    if started.returncode != 0:
+        _run("stop", state)  # start cleans up after itself; this is a second safety net
+        raise RuntimeError(f".ci/slurm.sh start {state} failed:\n{started.stderr}")
+    prefix = "export SLURM_CONF="
+    conf = next((ln[len(prefix):] for ln in started.stdout.splitlines() if ln.startswith(prefix)), None)
+    if conf is None:
+        _run("stop", state)
+        raise RuntimeError(f"no '{prefix}...' line from .ci/slurm.sh start:\n{started.stdout}")
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = conf
+    try:
+        yield Path(conf)
+    finally:
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+        stopped = _run("stop", state)
+        if stopped.returncode != 0:
+            raise RuntimeError(f".ci/slurm.sh stop {state} failed:\n{stopped.stderr}")
