@@ -20,6 +20,7 @@ rule extract:
         captures=config["captures"],
         sequence=config["sequence"],
         engine=config["engine"],
+        rows=shard_rows,
     message:
         "Extracting hidden states for shard {wildcards.shard} ({resources.gpu} GPUs)"
     script:

@@ -1,9 +1,10 @@
-# Pack all validated shards into one Hugging Face Arrow dataset; counts reconciled.
+# Pack all validated shards into one Hugging Face Arrow dataset; counts reconciled, quarantined included.
 rule pack:
     input:
         tokenized=expand(rules.tokenize.output.tokenized, shard=SHARDS),
         skipped=expand(rules.tokenize.output.skipped, shard=SHARDS),
         states=expand(rules.validate.output.states, shard=SHARDS),
+        quarantined=expand(rules.validate.output.quarantined, shard=SHARDS),
     output:
         dataset=directory(f"{RUN_DIR}/dataset"),
         counts=f"{RUN_DIR}/dataset.counts.json",

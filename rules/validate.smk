@@ -1,10 +1,11 @@
-# Check every sample's states file against its tokens and the capture contract.
+# Check every sample's states file against its tokens and the capture contract; quarantine or fail.
 rule validate:
     input:
         tokenized=rules.tokenize.output.tokenized,
         manifest=rules.extract.output.manifest,
     output:
         states=f"{RUN_DIR}/validated/shard-{{shard}}.parquet",
+        quarantined=f"{RUN_DIR}/validated/shard-{{shard}}.quarantined.parquet",
     log:
         f"{RUN_DIR}/logs/validate/shard-{{shard}}.log",
     benchmark:
@@ -14,7 +15,10 @@ rule validate:
     params:
         model=config["model"],
         captures=config["captures"],
+        sequence=config["sequence"],
+        policy=config["validation"]["policy"],
+        quarantine_dir=f"{RUN_DIR}/quarantine/shard-{{shard}}",
     message:
-        "Validating shard {wildcards.shard}"
+        "Validating shard {wildcards.shard} (policy {params.policy})"
     script:
         "../scripts/validate.py"

@@ -5,10 +5,15 @@ from eagle3data.logs import redirect_output_to
 if __name__ == "__main__":
     sm = snakemake  # noqa: F821
     redirect_output_to(sm.log[0])
+    from eagle3data.conversations import count_conversations
+    from eagle3data.disk import InputShape
     from eagle3data.extract import ExtractJob, run
     from eagle3data.settings import Settings
 
     settings = Settings(dict(sm.config))
+    start, stop = sm.params.rows
+    # Read at run time, not passed as params: a growing input or a storage setting must not re-run jobs.
+    shape = InputShape(stop - start, count_conversations(sm.config["input"]), sm.config["shard_size"])
     run(
         ExtractJob(
             tokenized=sm.input.tokenized,
@@ -20,5 +25,7 @@ if __name__ == "__main__":
             expected=settings.expected,
             max_seq_len=sm.params.sequence["max_seq_len"],
             engine=dict(sm.params.engine),
+            input_shape=shape,
+            storage=dict(sm.config["storage"]),
         )
     )

@@ -11,6 +11,7 @@ run(
         tokenized=list(sm.input.tokenized),
         skipped=list(sm.input.skipped),
         states=list(sm.input.states),
+        quarantined=list(sm.input.quarantined),
         out_dir=sm.output.dataset,
         counts_out=sm.output.counts,
         conversations_in=sm.params.conversations_in,

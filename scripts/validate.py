@@ -2,8 +2,21 @@
 
 from eagle3data.logs import redirect_output_to
 from eagle3data.settings import Settings
-from eagle3data.validate import run
+from eagle3data.validate import ValidateJob, run
 
 sm = snakemake  # noqa: F821
 redirect_output_to(sm.log[0])
-run(sm.input.tokenized, sm.input.manifest, sm.output.states, Settings(dict(sm.config)).expected)
+settings = Settings(dict(sm.config))
+run(
+    ValidateJob(
+        tokenized=sm.input.tokenized,
+        extract_manifest=sm.input.manifest,
+        states_out=sm.output.states,
+        quarantined_out=sm.output.quarantined,
+        quarantine_dir=sm.params.quarantine_dir,
+        expected=settings.expected,
+        vocab_size=settings.model.vocab_size,
+        sequence=dict(sm.params.sequence),
+        policy=sm.params.policy,
+    )
+)

@@ -30,12 +30,14 @@ def demo_config(**overrides) -> dict:
 
 def run_snakemake(workdir: Path, *args: str, config: dict | None = None, check: bool = True,
                   timeout: int = 1200) -> subprocess.CompletedProcess:
-    """Run the real workflow in `workdir` (results/ land there), optionally with a config file."""
+    """Run the real workflow in `workdir` (results/ land there) with `config`, or with the config an
+    earlier call wrote there."""
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2"]
+    config_file = workdir / "test-config.yaml"
     if config is not None:
-        config_file = workdir / "test-config.yaml"
         config_file.write_text(yaml.safe_dump(config))
+    if config_file.exists():  # later runs in the same directory reuse its config
         cmd += ["--configfile", str(config_file)]
     proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout,
                           cwd=workdir, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -68,3 +70,11 @@ def tiny_deepseek(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-deepseek") / "model"
     build_demo_model(DEMO_CONVERSATIONS, out)
     return out
+
+
+def with_defaults(config: dict) -> dict:
+    """`config` completed with the schema's defaults, as the workflow sees it."""
+    from snakemake.utils import validate
+
+    validate(config, str(REPO / "config" / "schema.yaml"), set_default=True)
+    return config

