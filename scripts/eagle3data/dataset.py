@@ -10,6 +10,7 @@ dataset info), written by `pack` and checked by `open_dataset`.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,7 +92,9 @@ class PackedDataset:
             mask = table.column("loss_mask")[i].values.to_numpy(zero_copy_only=False)
             rows = table.column("hidden_states")[i].values  # FixedSizeList, one per token
             flat = rows.flatten().to_numpy(zero_copy_only=True)
-            states = torch.from_numpy(flat).view(self._torch_dtype)
+            with warnings.catch_warnings():  # a read-only view of the memory-mapped file, on purpose
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                states = torch.from_numpy(flat).view(self._torch_dtype)
             yield {
                 "sample_id": table.column("sample_id")[i].as_py(),
                 "input_ids": torch.from_numpy(ids.astype(np.int64)),

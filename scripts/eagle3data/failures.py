@@ -55,9 +55,9 @@ def show(value) -> str:
     """A value for a message: lists longer than a few items as their length and first items."""
     if isinstance(value, np.ndarray):
         value = value.tolist()
-    if isinstance(value, (list, tuple)) and len(value) > _SHOWN:
-        head = ", ".join(repr(v) if isinstance(v, str) else str(v) for v in value[:_SHOWN])
-        return f"[{len(value)} items: {head}, ...]"
+    if isinstance(value, (list, tuple)):
+        items = ", ".join(show(v) for v in value[:_SHOWN])
+        return f"[{len(value)} items: {items}, ...]" if len(value) > _SHOWN else f"[{items}]"
     return repr(value) if isinstance(value, str) else str(value)
 
 
@@ -84,7 +84,7 @@ def _evaluate(expr: str, row: pd.Series) -> tuple[object, str]:
 def _first_difference(found, expected) -> str:
     for i, (a, b) in enumerate(zip(found, expected)):
         if a != b:
-            return f" (first difference at position {i}: {a} where {b} was expected)"
+            return f" (first difference at position {i}: {show(a)} where {show(b)} was expected)"
     return ""
 
 
@@ -118,17 +118,18 @@ def _failures(cases: pd.DataFrame, df: pd.DataFrame, file: str) -> list[Failure]
         row = df.loc[int(index)]
         sample = str(row.get("sample_id", "-"))
         where = str(row.get("path") or file)
+        of = f" (capture {row['capture']})" if "capture" in row.index else ""
         if _RELATION.match(str(check)):
             expected, found = _render(str(check), row)
-            out.append(Failure(sample, str(check), expected, found, where))
+            out.append(Failure(sample, f"{check}{of}", expected, found, where))
         else:
-            out.append(Failure(sample, f"{column}: {check}", str(check), show(value), where))
+            out.append(Failure(sample, f"{column}: {check}{of}", str(check), show(value), where))
     return out
 
 
 def summary(title: str, found: Iterable[Failure], total: int, files: Iterable[str]) -> str:
     """A header (how many samples failed, which files to look at) and one line per failure."""
-    found = list(found)
+    found = sorted(found, key=lambda f: f.sample_id)  # stable: a sample's failures stay in check order
     samples = {f.sample_id for f in found} - {"-"}
     table = " and the table itself" if any(f.sample_id == "-" for f in found) else ""
     lines = [

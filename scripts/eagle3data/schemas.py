@@ -160,7 +160,7 @@ class StatesFile(pa.DataFrameModel):
 
     @pa.dataframe_check(error=f"tensors == {list(STATE_KEYS)}")
     def exactly_the_state_tensors(cls, df: pd.DataFrame) -> pd.Series:
-        return (df["read_error"] != "") | (df["tensors"].map(list) == list(STATE_KEYS))
+        return (df["read_error"] != "") | df["tensors"].map(lambda names: list(names) == list(STATE_KEYS))
 
     @pa.dataframe_check(error="token_ids == input_ids")
     def token_ids_match(cls, df: pd.DataFrame) -> pd.Series:
@@ -178,8 +178,9 @@ def states_file_contract(n_captures: int, hidden_size: int, dtype: str) -> type[
     class StatesFileOfRun(StatesFile):
         @pa.dataframe_check(error=f"shape == [len(input_ids), {n_captures}, {hidden_size}]")
         def states_shape(cls, df: pd.DataFrame) -> pd.Series:
-            want = df["input_ids"].map(lambda ids: [len(ids), n_captures, hidden_size])
-            return ~_has(df, "hidden_states") | (df["shape"].map(list) == want)
+            same = [list(shape) == [len(ids), n_captures, hidden_size]
+                    for shape, ids in zip(df["shape"], df["input_ids"])]
+            return ~_has(df, "hidden_states") | pd.Series(same, index=df.index, dtype=bool)
 
         @pa.dataframe_check(error=f"dtype == '{dtype}'")
         def states_dtype(cls, df: pd.DataFrame) -> pd.Series:
@@ -259,8 +260,8 @@ class SampleStates(pa.DataFrameModel):
 
     @pa.dataframe_check(error="rows == [num_tokens]")
     def one_row_per_token(cls, df: pd.DataFrame) -> pd.Series:
-        want = df["num_tokens"].map(lambda n: [n])
-        return (_lengths(df["captures"]) == 0) | (df["rows"].map(list) == want)
+        same = [list(rows) == [n] for rows, n in zip(df["rows"], df["num_tokens"])]
+        return (_lengths(df["captures"]) == 0) | pd.Series(same, index=df.index, dtype=bool)
 
     @pa.check("duplicate_captures", error="duplicate_captures == []")
     def captures_differ(cls, duplicates: pd.Series) -> pd.Series:
@@ -277,7 +278,7 @@ def sample_states_contract(capture_names: tuple[str, ...]) -> type[SampleStates]
     class SampleStatesOfRun(SampleStates):
         @pa.check("captures", error=f"captures == {list(capture_names)}")
         def configured_captures(cls, captures: pd.Series) -> pd.Series:
-            return captures.map(list) == list(capture_names)
+            return captures.map(lambda names: list(names) == list(capture_names))
 
     return SampleStatesOfRun
 

@@ -1,0 +1,81 @@
+"""Checks on a pipeline run's outputs, for the GPU runs (docs/gpu-run.md). Prints one JSON object.
+
+    python scripts/gpu/check_states.py shapes RUN --hidden 7168 --captures 4 --seq 512
+    python scripts/gpu/check_states.py compare RUN_A RUN_B     # same samples, per-capture rel. error
+    python scripts/gpu/check_states.py ranks LOG               # which TP ranks' connectors write
+"""
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+
+def states_files(run: str) -> dict:
+    return {p.stem: p for p in Path("results", run, "states").rglob("*.safetensors")}
+
+
+def shapes(args) -> dict:
+    files = states_files(args.run)
+    bad, full = [], 0
+    for sid, path in files.items():
+        with safe_open(str(path), framework="pt") as f:
+            s = f.get_slice("hidden_states")
+            shape, dtype = list(s.get_shape()), s.get_dtype()
+        if shape[1:] != [args.captures, args.hidden] or dtype != "BF16" or shape[0] > args.seq:
+            bad.append({"sample": sid, "shape": shape, "dtype": dtype})
+        full += shape[0] == args.seq
+    stats = [json.loads(p.read_text()) for p in Path("results", args.run, "extract").glob("*.stats.json")]
+    tokens = sum(s["computed_tokens"] for s in stats)
+    seconds = sum(s["seconds"] for s in stats)
+    counts = Path("results", args.run, "dataset.counts.json")
+    return {"run": args.run, "files": len(files), f"files_with_{args.seq}_tokens": full,
+            "bad": bad, "tokens": tokens, "extract_seconds": seconds,
+            "tokens_per_second": tokens / seconds if seconds else None,
+            "bytes_on_disk": sum(p.stat().st_size for p in files.values()),
+            "dataset_counts": json.loads(counts.read_text()) if counts.exists() else None}
+
+
+def compare(args) -> dict:
+    a, b = states_files(args.run_a), states_files(args.run_b)
+    if set(a) != set(b):
+        return {"error": f"sample sets differ: {len(a)} vs {len(b)}, {len(set(a) ^ set(b))} unmatched"}
+    worst = {}
+    for sid in sorted(a):
+        x, y = load_file(str(a[sid])), load_file(str(b[sid]))
+        assert x["token_ids"].tolist() == y["token_ids"].tolist(), sid
+        for slot in range(x["hidden_states"].shape[1]):
+            u, v = x["hidden_states"][:, slot].float(), y["hidden_states"][:, slot].float()
+            rel = float((u - v).norm() / v.norm())
+            worst[slot] = max(worst.get(slot, 0.0), rel)
+    return {"samples": len(a), "worst_rel_error_per_capture": worst}
+
+
+def ranks(args) -> dict:
+    text = Path(args.log).read_text(errors="replace")
+    found = re.findall(r"hidden-states connector ready \(tp_rank0=(True|False)", text)
+    return {"log": args.log, "connectors": len(found), "writing_ranks": found.count("True")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("shapes")
+    p.add_argument("run")
+    p.add_argument("--hidden", type=int, required=True)
+    p.add_argument("--captures", type=int, default=4)
+    p.add_argument("--seq", type=int, default=512)
+    p = sub.add_parser("compare")
+    p.add_argument("run_a")
+    p.add_argument("run_b")
+    p = sub.add_parser("ranks")
+    p.add_argument("log")
+    args = parser.parse_args()
+    print(json.dumps({"shapes": shapes, "compare": compare, "ranks": ranks}[args.cmd](args)))
+
+
+if __name__ == "__main__":
+    main()

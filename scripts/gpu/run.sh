@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU runs of docs/gpu-run.md, one step per device call (each ends well inside 10 minutes):
+#   bash scripts/gpu/run.sh kimi       Kimi-K2.5-shaped model (dummy weights) through the workflow, TP1
+#   bash scripts/gpu/run.sh bench      figure 1 on an 8B Llama shape (dummy weights), TP1
+#   bash scripts/gpu/run.sh deepseek   small DeepSeek-V3 vs transformers; TP1 vs TP2 (needs 2 GPUs)
+# Needs the wheels in /tmp/wheels (scripts/gpu/collect.sh); results and logs go to $OUT.
+source "$(dirname "$0")/env.sh"
+set +e
+step() { echo "== $(date -u +%H:%M:%S) $*"; }
+workflow() {  # run config, GPUs: tokenize -> extract -> validate -> pack through the real Snakefile
+  timeout 420 python3 -m snakemake --cores 16 --resources "gpu=$2" --configfile "scripts/gpu/$1.yaml" \
+    --nolock "results/gpu-${3}/dataset" > "/tmp/snakemake-$1.log" 2>&1
+  local rc=$?
+  echo "snakemake $1: exit $rc"; tail -n 5 "/tmp/snakemake-$1.log"
+  cat "/tmp/snakemake-$1.log" results/gpu-"$3"/logs/*/*.log > "$OUT/log-$1.txt" 2>/dev/null
+  return $rc
+}
+
+case "$1" in
+  kimi)
+    step versions
+    python3 -c "import torch, vllm, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, \
+'transformers', transformers.__version__, torch.cuda.device_count(), 'GPUs', torch.cuda.get_device_name(0))"
+    python3 scripts/gpu/make_conversations.py data/demo/conversations.jsonl results/gpu-conversations.jsonl 48
+    python3 -m eagle3data.shapes kimi-k2.5 /tmp/kimi-shape --tokenizer-from resources/demo-tokenizer
+    step workflow kimi-shape
+    workflow kimi-shape 1 kimi-shape
+    python3 scripts/gpu/check_states.py shapes gpu-kimi-shape --hidden 7168 | tee "$OUT/kimi-shape.json"
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+    ;;
+  bench)
+    step bench llama-8b
+    timeout 500 python3 -m eagle3data.bench_extract --shape llama-8b --model /tmp/llama-8b \
+      --captures 2:input,16:input,29:input,31:output --prompts 512 --tokens 512 \
+      --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
+      --work /tmp/bench --out "$OUT/bench-llama8b.json" > /tmp/bench.log 2>&1
+    echo "bench: exit $?"; tail -n 3 /tmp/bench.log; grep -v "^(\|^INFO\|^WARNING" /tmp/bench.log | tail -n 400 > "$OUT/log-bench.txt"
+    rm -rf /tmp/bench
+    ;;
+  deepseek)
+    step build small deepseek
+    python3 scripts/gpu/build_small_deepseek.py /tmp/ds-small resources/demo-tokenizer
+    step crosscheck
+    timeout 200 python3 -m eagle3data.crosscheck --model /tmp/ds-small --captures 2:input,4:input,6:input,7:output \
+      --dtype bfloat16 --device cuda --tolerance 5e-2 --work /tmp/cc > /tmp/cc.log 2>&1
+    echo "crosscheck: exit $?"; grep '^{"model"' /tmp/cc.log > "$OUT/crosscheck-deepseek.json"; tail -n 2 /tmp/cc.log | cut -c1-600
+    step workflow ds-small-tp1
+    workflow ds-small-tp1 1 ds-tp1
+    if [[ $(python3 -c "import torch; print(torch.cuda.device_count())") -ge 2 ]]; then
+      step workflow ds-small-tp2
+      workflow ds-small-tp2 2 ds-tp2
+      python3 scripts/gpu/check_states.py compare gpu-ds-tp1 gpu-ds-tp2 | tee "$OUT/tp1-vs-tp2.json"
+      python3 scripts/gpu/check_states.py ranks results/gpu-ds-tp2/logs/extract/shard-00000.log | tee "$OUT/tp2-ranks.json"
+    fi
+    python3 scripts/gpu/check_states.py shapes gpu-ds-tp1 --hidden 1024 | tee "$OUT/ds-tp1.json"
+    ;;
+esac
+step done
