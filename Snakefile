@@ -1,5 +1,5 @@
 # eagle3-datagen: chat conversations in, EAGLE-3 training data (target hidden states) out.
-# tokenize -> extract -> validate -> pack -> report; see README.md.
+# tokenize -> extract -> validate -> pack -> vocab -> report (+ trainer exports); see README.md.
 
 
 configfile: "config/config.yaml"
@@ -12,13 +12,17 @@ include: "rules/extract.smk"
 include: "rules/validate.smk"
 include: "rules/pack.smk"
 include: "rules/report.smk"
+include: "rules/vocab.smk"
+include: "rules/export.smk"
 
 
 rule all:
     default_target: True
     input:
         rules.pack.output.dataset,
+        rules.vocab.output,
         rules.report.output,
+        EXPORTS,
 
 
 onerror:
@@ -26,3 +30,4 @@ onerror:
         f"eagle3-datagen: a job failed. Logs are under {RUN_DIR}/logs/; finished samples are kept in "
         f"{RUN_DIR}/states/ and the same command re-runs only what is missing or failed."
     )
+    print(failed_samples.summary(f"{RUN_DIR}/extract"))

@@ -14,10 +14,11 @@ RUN_DIR = f"results/{RUN}"
 N_CONVERSATIONS = count_conversations(config["input"])
 N_SHARDS = max(1, math.ceil(N_CONVERSATIONS / config["shard_size"]))
 SHARDS = [f"{i:05d}" for i in range(N_SHARDS)]
+# One engine per extract job: data-parallel engines are extract jobs scheduled side by side.
 GPUS_PER_EXTRACT = (
     config["engine"]["tensor_parallel_size"]
     if config["engine"]["device"] == "cuda"
-    else 0
+    else config["engine"]["cpu_job_gpus"]
 )
 
 

@@ -1,4 +1,12 @@
 # Run the target model (vLLM) over a shard and store each sample's hidden states; reuses finished ones.
+from eagle3data import failed_samples
+
+# Host memory of one extract job, in MB: a base plus a share per GPU (estimates; override with
+# --set-resources "extract:mem_mb=<MB>*attempt"). It grows with each retry (`attempt`, see --retries and
+# profiles/slurm), so a job killed for memory comes back with more; finished samples are reused.
+EXTRACT_MEM_MB = 4000 + 16000 * GPUS_PER_EXTRACT
+
+
 rule extract:
     input:
         tokenized=rules.tokenize.output.tokenized,
@@ -15,13 +23,30 @@ rule extract:
     threads: 2
     resources:
         gpu=GPUS_PER_EXTRACT,
+        mem_mb=lambda wildcards, attempt: EXTRACT_MEM_MB * attempt,
+    # What determines the data: a change re-runs the job (it recomputes what no longer matches). The
+    # engine settings (batch sizes, memory) are read at run time: changing them re-runs nothing.
     params:
         model=config["model"],
         captures=config["captures"],
         sequence=config["sequence"],
-        engine=config["engine"],
+        load_format=config["engine"]["load_format"],
         rows=shard_rows,
     message:
-        "Extracting hidden states for shard {wildcards.shard} ({resources.gpu} GPUs)"
+        "Extracting hidden states for shard {wildcards.shard} ({resources.gpu} GPUs, "
+        "{resources.mem_mb} MB)"
     script:
         "../scripts/extract.py"
+
+
+# `snakemake retry_failed`: re-run only the extract jobs of the shards whose last run recorded failed
+# samples (extract/shard-NNNNN.failed.json, see eagle3data.failed_samples); each computes only those.
+FAILED_SHARDS = glob_wildcards(f"{RUN_DIR}/extract/shard-{{shard}}.failed.json").shard
+
+
+rule retry_failed:
+    input:
+        expand(
+            rules.extract.output.manifest,
+            shard=sorted(set(SHARDS) & set(FAILED_SHARDS)),
+        ),

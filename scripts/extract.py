@@ -12,7 +12,8 @@ if __name__ == "__main__":
 
     settings = Settings(dict(sm.config))
     start, stop = sm.params.rows
-    # Read at run time, not passed as params: a growing input or a storage setting must not re-run jobs.
+    # Read at run time, not passed as params: a growing input, engine or storage settings (which do not
+    # change the data) and the test-only hooks must not re-run finished jobs.
     shape = InputShape(stop - start, count_conversations(sm.config["input"]), sm.config["shard_size"])
     run(
         ExtractJob(
@@ -24,8 +25,9 @@ if __name__ == "__main__":
             trust_remote_code=sm.params.model["trust_remote_code"],
             expected=settings.expected,
             max_seq_len=sm.params.sequence["max_seq_len"],
-            engine=dict(sm.params.engine),
+            engine=dict(sm.config["engine"]),
             input_shape=shape,
             storage=dict(sm.config["storage"]),
+            fail_samples=tuple(sm.config["testing"]["fail_samples"]),
         )
     )

@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,3 +75,15 @@ def local_slurm(tmp_dir: str | Path) -> Iterator[Path]:
         stopped = _run("stop", state)
         if stopped.returncode != 0:
             raise RuntimeError(f".ci/slurm.sh stop {state} failed:\n{stopped.stderr}")
+
+
+def wait_job(job_id: str, timeout: float = 60) -> str:
+    """Poll squeue (finished jobs stay listed for MinJobAge) until the job leaves PENDING/RUNNING."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        state = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"],
+                               capture_output=True, text=True).stdout.strip()
+        if state and state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            return state
+        time.sleep(0.5)
+    raise TimeoutError(f"SLURM job {job_id} still not finished after {timeout} s")

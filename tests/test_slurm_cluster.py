@@ -11,13 +11,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with any pytest import mode
-from slurm_cluster import REPO, local_slurm, skip_allowed, unavailable_reason  # noqa: E402
+from slurm_cluster import REPO, local_slurm, skip_allowed, unavailable_reason, wait_job  # noqa: E402
 
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
 
@@ -35,18 +34,6 @@ def slurm(tmp_path):
     skip_if_allowed()
     with local_slurm(tmp_path) as conf:
         yield conf
-
-
-def wait_job(job_id: str, timeout: float = 60) -> str:
-    """Poll squeue (finished jobs stay listed for MinJobAge) until the job leaves PENDING/RUNNING."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        state = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"],
-                               capture_output=True, text=True).stdout.strip()
-        if state and state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
-            return state
-        time.sleep(0.5)
-    raise TimeoutError(f"SLURM job {job_id} still not finished after {timeout} s")
 
 
 def test_sbatch_gets_eight_gpus(slurm, tmp_path):

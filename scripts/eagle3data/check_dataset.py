@@ -99,11 +99,11 @@ def check_dataset(path: str | Path) -> str:
                                  str(path)))
         if table is not None:
             have = datasets.Features.from_arrow_schema(table.schema)
-            found += [Failure("-", f"column {name}", show(want.get(name)), show(have.get(name)), str(path))
-                      for name in dict.fromkeys([*want, *have]) if want.get(name) != have.get(name)]
-            found += _counts(meta, table.num_rows, str(path / fmt.METADATA_FILE))
-        if table is not None and not found:
-            found += validate(PackedRows, packed_rows(table), str(path))[1]
+            columns = [Failure("-", f"column {name}", show(want.get(name)), show(have.get(name)), str(path))
+                       for name in dict.fromkeys([*want, *have]) if want.get(name) != have.get(name)]
+            found += columns + _counts(meta, table.num_rows, str(path / fmt.METADATA_FILE))
+            if not columns:
+                found += validate(PackedRows, packed_rows(table), str(path))[1]
     if found:
         total = meta.get("counts", {}).get("packed", 0) if meta else 0
         raise DatasetCheckError(summary(f"dataset {path} fails its checks", found, total, [str(path)]))

@@ -2,7 +2,10 @@
 
 Per-sample files live in the store (store.py), outside Snakemake's outputs, so a failed or killed job
 loses nothing: a re-run reads the store, reuses each sample whose file is whole and matches its tokens,
-and starts the engine only if something is left to compute. The shard's manifest is written last.
+and starts the engine only if something is left to compute. A sample that fails (its reply or file does
+not match, or `testing.fail_samples` lists it) does not stop the others: its file is removed, and once
+the shard is done the job fails naming every failed sample with its reason, also recorded beside the
+manifest (failed_samples.py). The shard's manifest is written last, only when every sample succeeded.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from eagle3data import disk
+from eagle3data import disk, failed_samples
 from eagle3data import engine as engine_mod
 from eagle3data.logs import get_logger
 from eagle3data.schemas import BoundaryError, ExtractManifest, TokenizedShard, check
 from eagle3data.states import Expected, header_problems
 from eagle3data.store import atomic_path, atomic_write_text, sample_path
+from eagle3data.testing import FailedOnPurpose, fail_on_purpose, kill_point
 
 logger = get_logger(__name__)
 
@@ -38,6 +42,7 @@ class ExtractJob:
     engine: dict
     input_shape: disk.InputShape | None = None  # None: this shard is the whole input
     storage: dict = field(default_factory=lambda: {"check_free_space": True, "reserve_gib": 1})
+    fail_samples: tuple[str, ...] = ()  # testing.fail_samples, a test-only hook (testing.py)
 
 
 def check_reply(sample_id: str, reply, expected_path: str) -> None:
@@ -77,11 +82,19 @@ def run(job: ExtractJob) -> dict:
         job.tokenized, len(shard), len(manifest), len(todo),
     )
     check_disk(job, shard, todo)
-    seconds = 0.0
-    if todo:
-        seconds = _compute(job, todo)
-        manifest += [(r.sample_id, r.num_tokens, str(sample_path(job.store_dir, r.sample_id)), "computed")
-                     for r in todo]
+    failed: dict[str, str] = {}
+    try:
+        seconds = _compute(job, todo, failed) if todo else 0.0
+    finally:  # what failed is on record even when the job dies after it
+        if failed:
+            failed_samples.write(job.manifest, job.tokenized, failed, len(shard), len(manifest))
+    if failed:
+        raise failed_samples.SampleFailures(
+            failed_samples.describe(job.tokenized, failed, len(shard), failed_samples.record_path(job.manifest))
+        )
+    failed_samples.clear(job.manifest)
+    manifest += [(r.sample_id, r.num_tokens, str(sample_path(job.store_dir, r.sample_id)), "computed")
+                 for r in todo]
     computed_tokens = int(sum(r.num_tokens for r in todo))
     stats = {
         "samples": len(shard),
@@ -112,7 +125,8 @@ def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
                               job.storage["check_free_space"])
 
 
-def _compute(job: ExtractJob, todo: list) -> float:
+def _compute(job: ExtractJob, todo: list, failed: dict[str, str]) -> float:
+    """Compute `todo` in batches; each sample that fails goes to `failed` (id -> reason), file removed."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -127,6 +141,7 @@ def _compute(job: ExtractJob, todo: list) -> float:
         llm, job.expected.captures, job.expected.dtype, job.engine["tensor_parallel_size"]
     )
     engine_mod.check_prompt_fits(llm, max(r.num_tokens for r in todo))
+    kill_point("extract:engine_ready")
     batch = job.engine["batch_samples"]
     seconds = 0.0
     progress = tqdm(total=len(todo), desc="extract", unit="sample", mininterval=5)
@@ -143,13 +158,19 @@ def _compute(job: ExtractJob, todo: list) -> float:
         if len(outputs) != len(rows):
             raise BoundaryError(f"engine returned {len(outputs)} outputs for {len(rows)} prompts")
         for row, path, output in zip(rows, paths, outputs):
-            check_reply(row.sample_id, output.kv_transfer_params, str(path))
-            wait_for_file(path, job.engine["file_timeout_s"])
+            try:
+                check_reply(row.sample_id, output.kv_transfer_params, str(path))
+                wait_for_file(path, job.engine["file_timeout_s"])  # may land after the reply
+                fail_on_purpose(row.sample_id, job.fail_samples)
+                problems = header_problems(row.sample_id, str(path), row.input_ids, job.expected)
+                if problems:
+                    raise BoundaryError("\n".join(problems))
+            except (BoundaryError, FailedOnPurpose) as exc:
+                failed[row.sample_id] = str(exc)
+                path.unlink(missing_ok=True)  # never reused: the next run computes it again
+                logger.error("%s", exc)
+            kill_point("extract:sample_done")
         seconds += time.perf_counter() - began
-        for row, path in zip(rows, paths):
-            problems = header_problems(row.sample_id, str(path), row.input_ids, job.expected)
-            if problems:
-                raise BoundaryError("\n".join(problems))
         progress.update(len(rows))
     progress.close()
     return seconds

@@ -82,3 +82,14 @@ def check_expectations(info: ModelInfo, hidden_size: int | None, num_hidden_laye
             raise ModelConfigError(
                 f"model.{name}: config expects {expected}, the checkpoint at {info.path} has {found}"
             )
+
+
+def read_dataset_model(path: str | Path, metadata: dict) -> ModelInfo:
+    """The checkpoint at `path`, refused unless it is the one the packed dataset was extracted from."""
+    info = read_model_info(path)
+    if info.identity != metadata["model"]["identity"]:
+        raise ModelConfigError(
+            f"model: the checkpoint at {path} (identity {info.identity}) is not the one the dataset was "
+            f"extracted from ({metadata['model']['path']}, identity {metadata['model']['identity']})"
+        )
+    return info

@@ -23,8 +23,9 @@ from datasets.arrow_writer import ArrowWriter
 from tqdm import tqdm
 
 from eagle3data import dataset as fmt
+from eagle3data.card import write_card
 from eagle3data.check_dataset import check_dataset
-from eagle3data.failures import BoundaryError, Failure, show
+from eagle3data.failures import BoundaryError, Failure, show, summary, validate
 from eagle3data.logs import get_logger
 from eagle3data.schemas import (
     SkippedShard,
@@ -72,6 +73,24 @@ def _verified_states(sample_id: str, captures: pd.DataFrame) -> torch.Tensor:
     return states
 
 
+def _checked_shard(tok_path: str, states_path: str, quarantined_path: str, manifest_contract,
+                   captures_contract) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """A shard's tables as validate left them, all checked before failing: (the tokenized samples to
+    pack, their states manifest, the quarantined samples)."""
+    tokenized, found = validate(TokenizedShard, pd.read_parquet(tok_path), tok_path)
+    quarantined, bad = validate(SkippedShard, pd.read_parquet(quarantined_path), quarantined_path)
+    found += bad
+    manifest, bad = validate(manifest_contract, pd.read_parquet(states_path), states_path)
+    found += bad
+    tokenized = tokenized[~tokenized["sample_id"].isin(quarantined["sample_id"])]
+    if not any(f.sample_id == "-" for f in found):  # every table has its columns
+        found += validate(captures_contract, sample_states(manifest, tokenized), states_path)[1]
+    if found:
+        raise BoundaryError(summary(f"pack: shard {tok_path} is not what validate left", found,
+                                    len(tokenized) + len(quarantined), [tok_path, states_path, quarantined_path]))
+    return tokenized, manifest, quarantined
+
+
 def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, dup_rows: list,
                    batch_size: int, dtype: str):
     captures = {sid: g.sort_values("slot") for sid, g in manifest.groupby("sample_id")}
@@ -109,13 +128,9 @@ def run(job: PackJob) -> dict:
     began, nbytes, packed = time.perf_counter(), 0, 0
     n = len(job.tokenized)
     shards = list(zip(job.tokenized, job.states, job.quarantined))
-    for i, (tok_path, states_path, quarantined_path) in enumerate(tqdm(shards, desc="pack", unit="shard")):
-        tokenized = check(TokenizedShard, pd.read_parquet(tok_path), tok_path)
-        quarantined = check(SkippedShard, pd.read_parquet(quarantined_path), quarantined_path)
+    for i, paths in enumerate(tqdm(shards, desc="pack", unit="shard")):
+        tokenized, manifest, quarantined = _checked_shard(*paths, manifest_contract, captures_contract)
         skipped.append(quarantined)
-        tokenized = tokenized[~tokenized["sample_id"].isin(quarantined["sample_id"])]
-        manifest = check(manifest_contract, pd.read_parquet(states_path), states_path)
-        check(captures_contract, sample_states(manifest, tokenized), states_path)
         writer = ArrowWriter(features=features, path=str(tmp / f"data-{i:05d}-of-{n:05d}.arrow"))
         for columns, states in _shard_batches(tokenized, manifest, seen, dup_rows, job.batch_size,
                                               meta["dtype"]):
@@ -129,6 +144,7 @@ def run(job: PackJob) -> dict:
         "sample_id", "source_row", "source_id", "reason"])])
     meta = {**meta, "format_version": fmt.FORMAT_VERSION, "counts": counts}
     _write_dataset_files(tmp, n, features, meta)
+    write_card(tmp, meta)
     check_dataset(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -15,6 +15,7 @@ from eagle3data.layers import capture_metadata, parse_captures
 from eagle3data.model_info import ModelInfo, check_expectations, read_model_info
 from eagle3data.states import Expected
 from eagle3data.store import content_key
+from eagle3data.trainers import trainer_settings
 
 RESULTS = Path("results")
 
@@ -47,17 +48,21 @@ class Settings:
 
     @property
     def store_dir(self) -> Path:
-        """States of this model, capture set and dtype; tokens are checked per file on reuse."""
-        key = content_key(
+        """States of this model, capture set and dtype; tokens are checked per file on reuse. Random
+        weights (`engine.load_format: dummy`) are another model: their states get a key of their own."""
+        determinants = dict(
             model=self.model.identity,
             captures=[c.name for c in self.captures],
             dtype=self.config["model"]["dtype"],
         )
-        return self.run_dir / "states" / key
+        if self.config["engine"]["load_format"] == "dummy":
+            determinants["weights"] = "dummy"
+        return self.run_dir / "states" / content_key(**determinants)
 
     def dataset_metadata(self) -> dict:
+        """What pack writes into the dataset, including the trainer settings that match the captures."""
         model_cfg = self.config["model"]
-        return {
+        meta = {
             "model": {
                 "path": model_cfg["path"],
                 "model_type": self.model.model_type,
@@ -72,6 +77,7 @@ class Settings:
             "versions": _versions(),
             "fingerprint": content_key(config=self.config, model=self.model.identity),
         }
+        return {**meta, "trainers": trainer_settings(meta)}
 
 
 def _versions() -> dict:

@@ -51,6 +51,7 @@ def kimi_k25_config(n_routed_experts: int = 8, num_experts_per_tok: int = 2, num
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         dtype="bfloat16",
+        architectures=["DeepseekV3ForCausalLM"],  # without it vLLM 0.26 serves the model as a pooler
     )
 
 
@@ -72,6 +73,7 @@ def llama_8b_config():
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
     )
 
 

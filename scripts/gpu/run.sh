@@ -3,20 +3,22 @@
 #   bash scripts/gpu/run.sh kimi       Kimi-K2.5-shaped model (dummy weights) through the workflow, TP1
 #   bash scripts/gpu/run.sh bench      figure 1 on an 8B Llama shape (dummy weights), TP1
 #   bash scripts/gpu/run.sh deepseek   small DeepSeek-V3 vs transformers; TP1 vs TP2 (needs 2 GPUs)
+#   bash scripts/gpu/run.sh kimi bench several steps in one call
 # Needs the wheels in /tmp/wheels (scripts/gpu/collect.sh); results and logs go to $OUT.
 source "$(dirname "$0")/env.sh"
 set +e
 step() { echo "== $(date -u +%H:%M:%S) $*"; }
 workflow() {  # run config, GPUs: tokenize -> extract -> validate -> pack through the real Snakefile
-  timeout 420 python3 -m snakemake --cores 16 --resources "gpu=$2" --configfile "scripts/gpu/$1.yaml" \
-    --nolock "results/gpu-${3}/dataset" > "/tmp/snakemake-$1.log" 2>&1
+  timeout 270 python3 -m snakemake "results/gpu-${3}/dataset" --cores 16 --resources "gpu=$2" --nolock \
+    --configfile "scripts/gpu/$1.yaml" > "/tmp/snakemake-$1.log" 2>&1
   local rc=$?
   echo "snakemake $1: exit $rc"; tail -n 5 "/tmp/snakemake-$1.log"
   cat "/tmp/snakemake-$1.log" results/gpu-"$3"/logs/*/*.log > "$OUT/log-$1.txt" 2>/dev/null
   return $rc
 }
 
-case "$1" in
+for what in "$@"; do
+case "$what" in
   kimi)
     step versions
     python3 -c "import torch, vllm, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, \
@@ -30,7 +32,7 @@ case "$1" in
     ;;
   bench)
     step bench llama-8b
-    timeout 500 python3 -m eagle3data.bench_extract --shape llama-8b --model /tmp/llama-8b \
+    timeout 290 python3 -m eagle3data.bench_extract --shape llama-8b --model /tmp/llama-8b \
       --captures 2:input,16:input,29:input,31:output --prompts 512 --tokens 512 \
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
       --work /tmp/bench --out "$OUT/bench-llama8b.json" > /tmp/bench.log 2>&1
@@ -39,6 +41,7 @@ case "$1" in
     ;;
   deepseek)
     step build small deepseek
+    python3 scripts/gpu/make_conversations.py data/demo/conversations.jsonl results/gpu-conversations.jsonl 48
     python3 scripts/gpu/build_small_deepseek.py /tmp/ds-small resources/demo-tokenizer
     step crosscheck
     timeout 200 python3 -m eagle3data.crosscheck --model /tmp/ds-small --captures 2:input,4:input,6:input,7:output \
@@ -55,4 +58,5 @@ case "$1" in
     python3 scripts/gpu/check_states.py shapes gpu-ds-tp1 --hidden 1024 | tee "$OUT/ds-tp1.json"
     ;;
 esac
+done
 step done

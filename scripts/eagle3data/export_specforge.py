@@ -1,0 +1,83 @@
+"""Export a packed dataset for SpecForge's offline EAGLE-3 training (`data.hidden_states_path`), streamed.
+
+SpecForge's offline reader lists every `*.ckpt` under the path (sorted) and `torch.load`s each, as its
+`scripts/prepare_hidden_states.py` writes them: a dict with `input_ids [L]` and `loss_mask [L]` (int64),
+`aux_hidden_state [1, L, 3H]` (the three aux states concatenated in `aux_hidden_state_layer_ids` order)
+and `hidden_state [1, L, H]`, the target's last hidden state AFTER the final norm. The dataset stores that
+state before the norm, so it is computed here with the checkpoint's own final norm (`final_norm.py`).
+SpecForge numbers aux layers by output (id k = output of decoder layer k): the ids are the dataset's vLLM
+aux ids minus one; ids the dataset did not capture are refused (`trainers.py`).
+
+Out: `OUT/hidden_states/data_<i:08d>.ckpt` (packed order), `OUT/vocab_mapping.pt` (the pipeline's draft
+vocabulary, for `model.vocab_mapping_path`) and `OUT/eagle3_export.json`. Memory is one sample at a time.
+`python -m eagle3data.export_specforge DATASET OUT --model CHECKPOINT --vocab-mapping M [--layer-ids 1 3 4]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eagle3data.dataset import open_dataset
+from eagle3data.exports import staging_dir, write_manifest
+from eagle3data.final_norm import read_final_norm
+from eagle3data.logs import get_logger
+from eagle3data.trainers import SPECFORGE, layout
+from eagle3data.vocab import read_mapping
+
+logger = get_logger(__name__)
+
+
+def sample_file(directory: Path, index: int) -> Path:
+    return directory / "hidden_states" / f"data_{index:08d}.ckpt"
+
+
+def export(dataset_path: str | Path, out: str | Path, model_path: str | Path, vocab_mapping: str | Path,
+           layer_ids: list[int] | None = None) -> dict:
+    """Write the SpecForge layout of the packed dataset at `dataset_path` to `out`; return its manifest."""
+    ds = open_dataset(dataset_path)
+    lay = layout(SPECFORGE, ds.metadata, layer_ids)
+    norm = read_final_norm(model_path, ds.metadata)
+    d2t, _ = read_mapping(vocab_mapping)
+    with staging_dir(out) as tmp:
+        (tmp / "hidden_states").mkdir()
+        for i, row in enumerate(tqdm(ds, total=len(ds), desc="export specforge", unit="sample")):
+            states = row["hidden_states"]
+            length = states.shape[0]
+            torch.save(
+                {
+                    "input_ids": row["input_ids"],
+                    "loss_mask": row["loss_mask"],
+                    "aux_hidden_state": states[:, lay.aux_slots, :].reshape(1, length, -1),
+                    "hidden_state": norm(states[:, lay.final_slot, :]).unsqueeze(0),
+                },
+                sample_file(tmp, i),
+            )
+        shutil.copyfile(vocab_mapping, tmp / "vocab_mapping.pt")
+        manifest = write_manifest(tmp, ds, lay, d2t.numel(), trainer_version="0.2.0",
+                                  final_norm={"source": norm.source, "rms_norm_eps": norm.eps,
+                                              "computed_in": "float32, rounded once to the dataset dtype"})
+    logger.info("exported %d samples for SpecForge to %s (aux_hidden_state_layer_ids %s)", len(ds), out,
+                lay.layer_ids)
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dataset", help="packed dataset directory (results/<run>/dataset)")
+    parser.add_argument("out", help="export directory to create")
+    parser.add_argument("--model", required=True, help="the target checkpoint the dataset was extracted from")
+    parser.add_argument("--vocab-mapping", required=True, help="results/<run>/vocab_mapping.pt")
+    parser.add_argument("--layer-ids", type=int, nargs="+", default=None,
+                        help="aux_hidden_state_layer_ids the draft will be trained with (SpecForge ids: output "
+                             "of layer k); default: every capture but the final state, in slot order")
+    args = parser.parse_args(argv)
+    export(args.dataset, args.out, args.model, args.vocab_mapping, args.layer_ids)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Export a packed dataset for speculators 0.9's EAGLE-3 trainer (`speculators train`), streamed.
+
+The layout its `ArrowDataset` reads from `--data-path D`:
+
+- `D/` a `datasets` Arrow dataset saved in torch format with `input_ids`, `loss_mask` (0/1) and `seq_len`;
+- `D/hidden_states/hs_{i}.safetensors` for row i: `token_ids [L]` (int64, equal to row i's input_ids: the
+  trainer silently drops rows where they differ) and `hidden_states [L, n_aux + 1, H]`: the aux states in
+  `--target-layer-ids` order, then the verifier's last hidden state before the final norm;
+- `D/token_freq.pt`, and `D/d2t-<n>.npy`, `D/t2d-<n>.npy`: the pipeline's draft vocabulary, which the
+  trainer picks up for `--draft-vocab-size <n>` instead of deriving its own.
+
+Rows keep the packed order (the trainer validates on the last 10 %). Memory is one packed row at a time
+plus the Arrow writer's batch. `python -m eagle3data.export_speculators DATASET OUT --token-freq F
+--vocab-mapping M [--layer-ids 2 4 5]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from datasets.arrow_writer import ArrowWriter
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from eagle3data.dataset import open_dataset
+from eagle3data.exports import staging_dir, write_manifest
+from eagle3data.logs import get_logger
+from eagle3data.trainers import SPECULATORS, layout
+from eagle3data.vocab import read_mapping
+
+logger = get_logger(__name__)
+
+FEATURES = datasets.Features(
+    {
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "loss_mask": datasets.List(datasets.Value("int8")),
+        "seq_len": datasets.Value("int32"),
+    }
+)
+
+
+def export(dataset_path: str | Path, out: str | Path, token_freq: str | Path, vocab_mapping: str | Path,
+           layer_ids: list[int] | None = None) -> dict:
+    """Write the speculators layout of the packed dataset at `dataset_path` to `out`; return its manifest."""
+    ds = open_dataset(dataset_path)
+    lay = layout(SPECULATORS, ds.metadata, layer_ids)
+    slots = [*lay.aux_slots, lay.final_slot]
+    d2t, t2d = read_mapping(vocab_mapping)
+    with staging_dir(out) as tmp:
+        (tmp / "hidden_states").mkdir()
+        columns = tmp / ".columns" / "data.arrow"  # outside tmp itself: save_to_disk refuses its own source
+        columns.parent.mkdir()
+        with ArrowWriter(features=FEATURES, path=str(columns)) as writer:
+            for i, row in enumerate(tqdm(ds, total=len(ds), desc="export speculators", unit="sample")):
+                ids = row["input_ids"]
+                states = row["hidden_states"][:, slots, :].contiguous()  # a copy: this sample's bytes only
+                save_file({"hidden_states": states, "token_ids": ids},
+                          str(tmp / "hidden_states" / f"hs_{i}.safetensors"))
+                writer.write({"input_ids": ids.tolist(), "loss_mask": row["loss_mask"].tolist(),
+                              "seq_len": len(ids)})
+            writer.finalize()
+        datasets.Dataset.from_file(str(columns)).with_format("torch").save_to_disk(str(tmp))
+        shutil.rmtree(columns.parent)
+        shutil.copyfile(token_freq, tmp / "token_freq.pt")
+        np.save(tmp / f"d2t-{d2t.numel()}.npy", d2t.numpy())
+        np.save(tmp / f"t2d-{d2t.numel()}.npy", t2d.numpy())
+        manifest = write_manifest(tmp, ds, lay, d2t.numel(), trainer_version="0.9.0")
+    logger.info("exported %d samples for speculators to %s (--target-layer-ids %s)", len(ds), out,
+                " ".join(map(str, lay.layer_ids)))
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dataset", help="packed dataset directory (results/<run>/dataset)")
+    parser.add_argument("out", help="export directory to create (speculators' --data-path)")
+    parser.add_argument("--token-freq", required=True, help="results/<run>/token_freq.pt")
+    parser.add_argument("--vocab-mapping", required=True, help="results/<run>/vocab_mapping.pt")
+    parser.add_argument("--layer-ids", type=int, nargs="+", default=None,
+                        help="--target-layer-ids the draft will be trained with (vLLM aux ids); default: "
+                             "every capture but the final state, in slot order")
+    args = parser.parse_args(argv)
+    export(args.dataset, args.out, args.token_freq, args.vocab_mapping, args.layer_ids)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The failure record of an extract job: which samples of a shard failed, and why.
+
+Snakemake deletes a failed job's declared outputs, so the record is not one of them: it lives beside the
+shard's manifest as `extract/shard-NNNNN.failed.json`, is written atomically when any sample of the
+shard fails, and is removed when the shard completes. The other samples' files stay in the store, so
+the next run of the shard computes only the failed ones (and any it never reached). `rule retry_failed`
+targets exactly the shards that have a record; the Snakefile's `onerror` prints every record.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3data.store import atomic_write_text
+
+SUFFIX = ".failed.json"
+
+
+class SampleFailures(RuntimeError):
+    """Some samples of a shard failed; their reasons are in the message and in the record."""
+
+
+def record_path(manifest: str | Path) -> Path:
+    """`extract/shard-NNNNN.parquet` -> `extract/shard-NNNNN.failed.json`."""
+    manifest = Path(manifest)
+    return manifest.with_name(manifest.stem + SUFFIX)
+
+
+def describe(shard: str, failed: dict[str, str], samples: int, record: Path) -> str:
+    lines = [
+        f"shard {shard}: {len(failed)} of {samples} sample(s) failed (recorded in {record}); the "
+        "other samples' states are kept in the store and reused by the next run, which computes "
+        "only these (`snakemake retry_failed` retries nothing else):"
+    ]
+    return "\n".join(lines + [f"  sample {sample_id}: {reason}" for sample_id, reason in failed.items()])
+
+
+def write(manifest: str | Path, shard: str, failed: dict[str, str], samples: int, reused: int) -> None:
+    doc = {
+        "shard": shard,
+        "samples": samples,
+        "reused": reused,
+        "failed": [{"sample_id": s, "reason": r} for s, r in failed.items()],
+    }
+    atomic_write_text(record_path(manifest), json.dumps(doc, indent=2))
+
+
+def clear(manifest: str | Path) -> None:
+    record_path(manifest).unlink(missing_ok=True)
+
+
+def summary(extract_dir: str | Path) -> str:
+    """Every record under `extract_dir`, one line per failed sample ("" when there is none)."""
+    lines = []
+    for record in sorted(Path(extract_dir).glob(f"shard-*{SUFFIX}")):
+        doc = json.loads(record.read_text())
+        lines += [f"  {record}: sample {f['sample_id']}: {f['reason']}" for f in doc["failed"]]
+    if not lines:
+        return ""
+    header = (f"{len(lines)} sample(s) failed in extract; `snakemake retry_failed` computes only them "
+              "(see docs/rerun.md):")
+    return "\n".join([header, *lines])

@@ -1,0 +1,94 @@
+"""Where a job runs: its own GPUs claimed, and one log line naming node, GPUs and SLURM job id.
+
+Data-parallel engines are several extract jobs side by side, each asking for `gpu=<its GPU count>`.
+A plain SLURM job gets exactly its GPUs in CUDA_VISIBLE_DEVICES. Snakemake's local executor (and a
+Snakemake group job bundling several extract jobs) only counts `gpu` resources, so every job would see
+every GPU and all engines would start on the first one. `start_job` therefore claims the job's GPUs
+among those visible, with one lock file per GPU held until the process exits, and narrows
+CUDA_VISIBLE_DEVICES to them. Locks are scoped to the node and the SLURM allocation (or "local"); a job
+that sees exactly its GPUs (a plain SLURM job) takes no lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import BinaryIO
+
+from eagle3data.logs import get_logger
+
+logger = get_logger(__name__)
+
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the driver shows this process
+LOCK_ROOT = Path(tempfile.gettempdir()) / "eagle3data-gpu-locks"
+_held: dict[str, BinaryIO] = {}  # this process's claimed GPUs (the locks live as long as the files)
+
+
+class GpuClaimError(RuntimeError):
+    pass
+
+
+def start_job(gpus: int) -> None:
+    """Claim `gpus` GPUs for this job (none: nothing to claim) and log node, GPUs and SLURM job id."""
+    slurm_job = os.environ.get("SLURM_JOB_ID")
+    visible = visible_gpus(slurm_job) if gpus else []
+    if len(visible) != gpus:  # a local run or a group job: more GPUs visible than this job asked for
+        scope = LOCK_ROOT / f"{socket.gethostname()}-{slurm_job or 'local'}"
+        claimed = claim_gpus(gpus, visible, scope)
+        _held.update(claimed)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(claimed)
+    logger.info(
+        "job on node %s, SLURM job %s, %d GPUs requested, CUDA_VISIBLE_DEVICES=%s",
+        socket.gethostname(), slurm_job or "none (local run)", gpus,
+        os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+    )
+
+
+def visible_gpus(slurm_job: str | None) -> list[str]:
+    """The GPUs this process may use: CUDA_VISIBLE_DEVICES, else every GPU of the machine."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip()]
+    if slurm_job:
+        raise GpuClaimError(
+            f"SLURM job {slurm_job} asked for GPUs but has no CUDA_VISIBLE_DEVICES: the cluster does not "
+            "bind GPUs to jobs (gres.conf needs File= lines), so jobs sharing a node would share GPUs"
+        )
+    found = sorted(NVIDIA_GPUS.iterdir()) if NVIDIA_GPUS.is_dir() else []
+    if not found:
+        raise GpuClaimError(
+            f"this job asks for GPUs but {NVIDIA_GPUS} lists none and CUDA_VISIBLE_DEVICES is unset; "
+            "set CUDA_VISIBLE_DEVICES to the GPUs extract jobs may use"
+        )
+    return [str(i) for i in range(len(found))]
+
+
+def claim_gpus(n: int, visible: list[str], scope: Path, poll_s: float = 1.0) -> dict[str, BinaryIO]:
+    """Lock `n` of `visible` under `scope`, waiting while other jobs hold them; GPU -> open lock file."""
+    if n > len(visible):
+        raise GpuClaimError(f"this job asks for {n} GPUs, only {len(visible)} are visible: {visible}")
+    scope.mkdir(parents=True, exist_ok=True)
+    waited = False
+    while True:
+        held: dict[str, BinaryIO] = {}
+        for gpu in visible:
+            lock = open(scope / re.sub(r"[^A-Za-z0-9_.-]", "_", f"gpu-{gpu}"), "ab")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                continue
+            held[gpu] = lock
+            if len(held) == n:
+                return held
+        for lock in held.values():  # all or nothing: two half-served jobs must not wait on each other
+            lock.close()
+        if not waited:
+            logger.info("waiting for %d free GPUs of %s (other jobs hold them; locks in %s)", n, visible, scope)
+            waited = True
+        time.sleep(poll_s)

@@ -1,0 +1,49 @@
+"""Test-only hooks: make chosen samples fail, or SIGKILL a run at a named point. Never set in real runs.
+
+- `testing.fail_samples: [sample ids]` in the config: extract fails each listed sample when it computes
+  it, as if its request had failed, so the per-sample failure path runs on a real engine.
+- `EAGLE3DATA_TEST_KILL_AT=<pattern>[#n]` in the environment: the n-th time (default 1) this process
+  reaches a point whose name matches the glob `pattern`, it SIGKILLs its whole process group: started
+  in its own session, that is the whole `snakemake` run, as a node crash or `kill -9` would. Points:
+  `extract:engine_ready` (before the first sample), `extract:sample_done` (after each sample is
+  checked), `write:<final path>` (a file written in full under its temporary name, not yet renamed:
+  `store.atomic_path`, in whichever process writes it, vLLM's worker included).
+"""
+
+from __future__ import annotations
+
+import collections
+import fnmatch
+import os
+import signal
+import sys
+
+KILL_ENV = "EAGLE3DATA_TEST_KILL_AT"
+_reached: collections.Counter = collections.Counter()
+
+
+class FailedOnPurpose(RuntimeError):
+    """The failure `testing.fail_samples` asks for."""
+
+
+def fail_on_purpose(sample_id: str, fail_samples) -> None:
+    if sample_id in fail_samples:
+        raise FailedOnPurpose(
+            f"sample {sample_id}: failed on purpose: expected no sample in testing.fail_samples (a "
+            f"test-only hook), found it listed there"
+        )
+
+
+def kill_point(name: str) -> None:
+    """SIGKILL this process group if EAGLE3DATA_TEST_KILL_AT names this point (see the module doc)."""
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return
+    pattern, _, nth = spec.partition("#")
+    if not fnmatch.fnmatchcase(name, pattern):
+        return
+    _reached[pattern] += 1
+    if _reached[pattern] == int(nth or 1):
+        print(f"{KILL_ENV}={spec}: killing process group {os.getpgrp()} at {name}", file=sys.stderr,
+              flush=True)
+        os.killpg(os.getpgrp(), signal.SIGKILL)

@@ -1,0 +1,14 @@
+"""Snakemake script for rule export_specforge: see eagle3data.export_specforge."""
+
+from eagle3data.export_specforge import export
+from eagle3data.logs import redirect_output_to
+
+sm = snakemake  # noqa: F821
+redirect_output_to(sm.log[0])
+export(
+    dataset_path=sm.input.dataset,
+    out=sm.output.export,
+    model_path=sm.params.model_path,
+    vocab_mapping=sm.input.mapping,
+    layer_ids=sm.params.layer_ids,
+)

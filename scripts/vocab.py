@@ -1,0 +1,14 @@
+"""Snakemake script for rule vocab: see eagle3data.vocab."""
+
+from eagle3data.logs import redirect_output_to
+from eagle3data.vocab import write_vocab
+
+sm = snakemake  # noqa: F821
+redirect_output_to(sm.log[0])
+write_vocab(
+    dataset_path=sm.input.dataset,
+    model_path=sm.params.model_path,
+    draft_vocab_size=sm.params.draft_vocab_size,
+    token_freq_out=sm.output.token_freq,
+    mapping_out=sm.output.mapping,
+)

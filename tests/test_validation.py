@@ -1,0 +1,200 @@
+"""Validation beyond the catalogue: the policy, the quarantine round trip, pack's re-checks, and
+`python -m eagle3data.check_dataset` on packed datasets that were copied or merged by hand.
+
+All on real files of the session's demo run; the workflow is re-run where a stage is under test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+import torch
+from conftest import demo_config, run_snakemake, with_defaults
+from corruption import RUN, failure_line, packed_ids, rerun, samples, table, validate_log
+
+from eagle3data.layers import parse_captures
+from eagle3data.states import Expected, header_problems
+
+pytestmark = pytest.mark.slow
+
+CAPTURES = ["layer2_input", "layer4_input", "layer5_input", "layer7_output"]
+
+
+def check_dataset(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eagle3data.check_dataset", str(path)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_policy_defaults_to_fail_and_refuses_unknown_values(tmp_path):
+    assert with_defaults(demo_config())["validation"] == {"policy": "fail"}
+    proc = run_snakemake(tmp_path, "-n", config=demo_config(validation={"policy": "skip"}), check=False)
+    assert proc.returncode != 0
+    assert "'skip' is not one of ['fail', 'quarantine']" in proc.stdout + proc.stderr
+
+
+def test_one_run_lists_every_failure_then_quarantine_packs_the_rest_and_the_next_run_re_extracts(demo_copy):
+    counts_before = json.loads((demo_copy / RUN / "dataset.counts.json").read_text())
+    flat, nan, truncated = samples(demo_copy, "00000")[:3]
+    wide, tail, gone = samples(demo_copy, "00001")[:3]
+    flat.write({f"hidden_states.{i}": torch.randn(flat.num_tokens).to(torch.bfloat16) for i in range(771)})
+    states = nan.states()["hidden_states"].clone()
+    states[1, 1, 1] = float("nan")
+    nan.with_states(states)
+    with open(truncated.path, "r+b") as f:
+        f.truncate(100)
+    wide.with_states(wide.states()["hidden_states"].float())
+    states = tail.states()["hidden_states"].clone()
+    states[-3:] = 0
+    tail.with_states(states)
+    gone.path.unlink()
+    bad = {"00000": [flat, nan, truncated], "00001": [wide, tail, gone]}
+    checks = {flat: "tensors ==", nan: "nonfinite == 0", truncated: "read_error == ''",
+              wide: "dtype == 'bfloat16'", tail: "zero_rows == 0", gone: "read_error == ''"}
+
+    # Policy fail: one run names every corrupted sample of both shards, and packs nothing.
+    proc = rerun(demo_copy, "00000", "00001")
+    assert proc.returncode != 0
+    for shard, corrupted in bad.items():
+        log = validate_log(demo_copy, shard)
+        assert re.search(r"policy fail\); nothing from this shard is packed: 3 of 8 sample\(s\)", log), log
+        for sample in corrupted:
+            failure_line(log, sample.sample_id, checks[sample])
+    assert not (demo_copy / RUN / "dataset").exists()
+
+    # Policy quarantine: the same samples are set aside with their reasons; the rest is packed.
+    proc = rerun(demo_copy, "00000", "00001", policy="quarantine")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    counts = json.loads((demo_copy / RUN / "dataset.counts.json").read_text())
+    assert counts["packed"] == counts_before["packed"] - 6
+    assert counts["skip_reasons"] == {**counts_before["skip_reasons"], "quarantined": 6}
+    assert counts["packed"] + counts["skipped"] == counts["conversations_in"]
+    assert packed_ids(demo_copy).isdisjoint(s.sample_id for s in checks)
+    skipped = pd.concat(pd.read_parquet(demo_copy / RUN / f"validated/shard-{shard}.quarantined.parquet")
+                        for shard in bad).set_index("sample_id")["reason"]
+    for sample, check in checks.items():
+        quarantine = demo_copy / RUN / f"quarantine/shard-{sample.shard}"
+        assert skipped[sample.sample_id].startswith(f"quarantined: {check}")
+        assert f"sample {sample.sample_id} | check {check}" in (quarantine / f"{sample.sample_id}.reason.txt").read_text()
+        assert not sample.path.exists()
+        assert (quarantine / f"{sample.sample_id}.safetensors").exists() == (sample is not gone)
+        failure_line(validate_log(demo_copy, sample.shard), sample.sample_id, check)
+    for shard in bad:  # no longer true, so the next run re-extracts the shard
+        assert not (demo_copy / RUN / f"extract/shard-{shard}.parquet").exists()
+    assert check_dataset(demo_copy / RUN / "dataset").returncode == 0
+
+    # The next run recomputes exactly the quarantined samples and packs everything again.
+    proc = run_snakemake(demo_copy, check=False)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    for shard in bad:
+        stats = json.loads((demo_copy / RUN / f"extract/shard-{shard}.stats.json").read_text())
+        assert (stats["computed"], stats["reused"]) == (3, 5)
+    counts = json.loads((demo_copy / RUN / "dataset.counts.json").read_text())
+    assert {k: counts[k] for k in ("packed", "skipped", "skip_reasons")} == {
+        k: counts_before[k] for k in ("packed", "skipped", "skip_reasons")}
+    assert {s.sample_id for s in checks} <= packed_ids(demo_copy)
+
+
+def test_quarantine_still_stops_on_a_broken_table(demo_copy):
+    missing = samples(demo_copy, "00001")[0]
+    with table(demo_copy / RUN / "extract/shard-00001.parquet") as manifest:
+        manifest.drop(manifest.index[manifest["sample_id"] == missing.sample_id], inplace=True)
+    proc = rerun(demo_copy, "00001", policy="quarantine")
+    assert proc.returncode != 0
+    log = validate_log(demo_copy, "00001")
+    assert "policy quarantine; a broken table fails under any policy" in log
+    assert "| expected 1 | found 0" in failure_line(log, missing.sample_id, "times_extracted == 1")
+    assert not (demo_copy / RUN / "dataset").exists()
+
+
+def test_pack_rechecks_the_validated_manifest(demo_copy):
+    wrong_bytes, lost_capture = samples(demo_copy, "00000")[:2]
+    with table(demo_copy / RUN / "validated/shard-00000.parquet") as manifest:
+        manifest.loc[manifest.index[manifest["sample_id"] == wrong_bytes.sample_id][0], "nbytes"] += 2
+        manifest.drop(manifest.index[(manifest["sample_id"] == lost_capture.sample_id)
+                                     & (manifest["capture"] == "layer7_output")], inplace=True)
+    proc = run_snakemake(demo_copy, check=False)
+    assert proc.returncode != 0 and "Error in rule pack" in proc.stdout + proc.stderr
+    log = (demo_copy / RUN / "logs/pack.log").read_text()
+    assert re.search(r": 2 of 8 sample\(s\) failed", log), log[-3000:]
+    line = failure_line(log, wrong_bytes.sample_id, "nbytes == rows * hidden_size * itemsize(dtype)")
+    assert f"| found {wrong_bytes.num_tokens * 128 * 2 + 2} |" in line
+    line = failure_line(log, lost_capture.sample_id, f"captures == {CAPTURES}")
+    assert f"| found {CAPTURES[:3]} |" in line
+    assert not (demo_copy / RUN / "dataset").exists()
+
+
+def test_extract_reuses_a_file_only_if_it_meets_the_same_contract(demo_run, tmp_path):
+    sample = samples(demo_run, "00000")[0]
+    ids = pd.read_parquet(demo_run / RUN / "tokenized/shard-00000.parquet").set_index("sample_id")
+    expected = Expected(parse_captures(demo_config()["captures"], 8), 128, "bfloat16")
+    assert header_problems(sample.sample_id, str(sample.path), ids.loc[sample.sample_id, "input_ids"],
+                           expected) == []
+    copy = tmp_path / sample.path.name
+    shutil.copy(sample.path, copy)
+    problems = header_problems(sample.sample_id, str(copy), ids.loc[sample.sample_id, "input_ids"][:-1],
+                               expected)
+    assert len(problems) == 2, problems
+    assert f"sample {sample.sample_id} | check shape == [len(input_ids), 4, 128] | expected " \
+           f"[{sample.num_tokens - 1}, 4, 128] | found [{sample.num_tokens}, 4, 128]" in problems[0]
+    assert "check token_ids == input_ids" in problems[1]
+
+
+def test_check_dataset_accepts_the_demo_dataset(demo_run):
+    proc = check_dataset(demo_run / RUN / "dataset")
+    assert proc.returncode == 0, proc.stderr
+    assert "OK, 20 samples, 4 captures x 128 bfloat16" in proc.stdout
+
+
+def _merged_by_hand(dataset: Path) -> list[str]:
+    """The first data file listed twice, as a careless concatenation of two datasets would."""
+    state = json.loads((dataset / "state.json").read_text())
+    state["_data_files"].append(state["_data_files"][0])
+    (dataset / "state.json").write_text(json.dumps(state))
+    return ["check rows == counts.packed | expected 20 | found 28", "check sample_id: field_uniqueness"]
+
+
+def _metadata_lost(dataset: Path) -> list[str]:
+    (dataset / "eagle3_metadata.json").unlink()
+    return ["check metadata | expected eagle3_metadata.json as pack writes it | found FileNotFoundError"]
+
+
+def _metadata_of_another_model(dataset: Path) -> list[str]:
+    meta = json.loads((dataset / "eagle3_metadata.json").read_text())
+    (dataset / "eagle3_metadata.json").write_text(json.dumps({**meta, "hidden_size": 64}))
+    return ["check column hidden_states | expected List(List(Value('uint16'), length=256)) | "
+            "found List(List(Value('uint16'), length=512))"]
+
+
+def _row_length_changed(dataset: Path) -> list[str]:
+    path = dataset / "data-00001-of-00003.arrow"
+    data = pa.ipc.open_stream(path.read_bytes()).read_all()
+    seq_len = data["seq_len"].to_pylist()
+    seq_len[2] += 1
+    data = data.set_column(data.schema.get_field_index("seq_len"), data.schema.field("seq_len"),
+                           pa.array(seq_len, pa.int32()))
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, data.schema) as writer:
+        writer.write_table(data)
+    sample, n = data["sample_id"][2].as_py(), seq_len[2]
+    return [f"sample {sample} | check state_rows == seq_len | expected {n} | found {n - 1}",
+            f"sample {sample} | check ids_length == seq_len | expected {n} | found {n - 1}"]
+
+
+@pytest.mark.parametrize("corrupt", [_merged_by_hand, _metadata_lost, _metadata_of_another_model,
+                                     _row_length_changed])
+def test_check_dataset_refuses_a_dataset_changed_by_hand(demo_run, tmp_path, corrupt):
+    dataset = tmp_path / "dataset"
+    shutil.copytree(demo_run / RUN / "dataset", dataset)
+    expected = corrupt(dataset)
+    proc = check_dataset(dataset)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"dataset {dataset} fails its checks" in proc.stderr
+    for text in expected:
+        assert text in proc.stderr, proc.stderr
