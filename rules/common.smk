@@ -1,4 +1,5 @@
 # Config validation, shard bookkeeping and paths shared by every rule.
+import glob
 import math
 
 from snakemake.utils import min_version, validate
@@ -22,6 +23,12 @@ GPUS_PER_EXTRACT = (
 )
 
 
+# `gpu` counts the GPUs of one node: it caps a local run (--resources gpu=8, profiles/default) and each
+# SLURM group job, never a cluster run as a whole (SLURM hands out the GPUs of all its nodes).
+resource_scopes:
+    gpu="local",
+
+
 def shard_rows(wildcards):
     """Input rows [start, stop) of a shard: contiguous, so appends never reshuffle shards."""
     start = int(wildcards.shard) * config["shard_size"]
@@ -32,3 +39,13 @@ def model_input(wildcards):
     """The demo model is built by a rule; a real checkpoint is read in place (not a DAG input, so
     dry runs plan without it)."""
     return config["model"]["path"] if config["model"]["build_demo"] else []
+
+
+def quarantine_records(wildcards):
+    """Reason files of the shard's samples that validate quarantined (validation.policy: quarantine):
+    inputs of extract, newer than its outputs after a quarantine, so the next run re-extracts the shard
+    (computing the samples whose files were moved out of the store) and validates it again.
+    """
+    return sorted(
+        glob.glob(f"{RUN_DIR}/quarantine/shard-{wildcards.shard}/*.reason.txt")
+    )

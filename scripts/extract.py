@@ -1,10 +1,12 @@
 """Snakemake script for rule extract: see eagle3data.extract."""
 
+from eagle3data.jobinfo import start_job
 from eagle3data.logs import redirect_output_to
 
 if __name__ == "__main__":
     sm = snakemake  # noqa: F821
     redirect_output_to(sm.log[0])
+    start_job(sm.resources.gpu)  # claims this job's GPUs: before anything starts CUDA
     from eagle3data.conversations import count_conversations
     from eagle3data.disk import InputShape
     from eagle3data.extract import ExtractJob, run

@@ -27,7 +27,7 @@ def _captures_table(metadata: dict) -> list[str]:
 
 def _speculators(s: dict) -> list[str]:
     return [
-        f"- `--target-layer-ids {' '.join(map(str, s['layer_ids']))}` ({s['layer_id_convention']}).",
+        f"- `--target-layer-ids {' '.join(map(str, s['layer_ids']))}`; convention: {s['layer_id_convention']}.",
         f"- Final state: slot {s['final_state_source_slot']}, before the final norm, as speculators wants "
         "(its trainer applies the verifier's norm and lm_head).",
         f"- Hidden size {s['hidden_size']}; `--hidden-states-dtype {s['dtype']}` on GPU.",
@@ -37,7 +37,7 @@ def _speculators(s: dict) -> list[str]:
 
 def _specforge(s: dict) -> list[str]:
     return [
-        f"- `model.aux_hidden_state_layer_ids: {s['layer_ids']}` ({s['layer_id_convention']}).",
+        f"- `model.aux_hidden_state_layer_ids: {s['layer_ids']}`; convention: {s['layer_id_convention']}.",
         f"- Final state: after the final norm, computed by the export from slot {s['final_state_source_slot']} "
         "with the checkpoint's own final RMSNorm weight and eps.",
         f"- Hidden size {s['hidden_size']}; `model.torch_dtype: {s['dtype']}`.",

@@ -16,6 +16,7 @@ vocabulary, for `model.vocab_mapping_path`) and `OUT/eagle3_export.json`. Memory
 from __future__ import annotations
 
 import argparse
+import sys
 import shutil
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from eagle3data.dataset import open_dataset
 from eagle3data.exports import staging_dir, write_manifest
 from eagle3data.final_norm import read_final_norm
 from eagle3data.logs import get_logger
-from eagle3data.trainers import SPECFORGE, layout
+from eagle3data.trainers import SPECFORGE, ExportRefused, layout
 from eagle3data.vocab import read_mapping
 
 logger = get_logger(__name__)
@@ -76,7 +77,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="aux_hidden_state_layer_ids the draft will be trained with (SpecForge ids: output "
                              "of layer k); default: every capture but the final state, in slot order")
     args = parser.parse_args(argv)
-    export(args.dataset, args.out, args.model, args.vocab_mapping, args.layer_ids)
+    try:
+        export(args.dataset, args.out, args.model, args.vocab_mapping, args.layer_ids)
+    except ExportRefused as exc:
+        sys.exit(str(exc))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ plus the Arrow writer's batch. `python -m eagle3data.export_speculators DATASET 
 from __future__ import annotations
 
 import argparse
+import sys
 import shutil
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from tqdm import tqdm
 from eagle3data.dataset import open_dataset
 from eagle3data.exports import staging_dir, write_manifest
 from eagle3data.logs import get_logger
-from eagle3data.trainers import SPECULATORS, layout
+from eagle3data.trainers import SPECULATORS, ExportRefused, layout
 from eagle3data.vocab import read_mapping
 
 logger = get_logger(__name__)
@@ -85,7 +86,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="--target-layer-ids the draft will be trained with (vLLM aux ids); default: "
                              "every capture but the final state, in slot order")
     args = parser.parse_args(argv)
-    export(args.dataset, args.out, args.token_freq, args.vocab_mapping, args.layer_ids)
+    try:
+        export(args.dataset, args.out, args.token_freq, args.vocab_mapping, args.layer_ids)
+    except ExportRefused as exc:
+        sys.exit(str(exc))
 
 
 if __name__ == "__main__":

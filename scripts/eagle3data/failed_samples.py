@@ -18,7 +18,7 @@ SUFFIX = ".failed.json"
 
 
 class SampleFailures(RuntimeError):
-    """Some samples of a shard failed; their reasons are in the message and in the record."""
+    """Some samples of a shard failed; their reasons (each naming its sample) are in the message."""
 
 
 def record_path(manifest: str | Path) -> Path:
@@ -33,7 +33,7 @@ def describe(shard: str, failed: dict[str, str], samples: int, record: Path) -> 
         "other samples' states are kept in the store and reused by the next run, which computes "
         "only these (`snakemake retry_failed` retries nothing else):"
     ]
-    return "\n".join(lines + [f"  sample {sample_id}: {reason}" for sample_id, reason in failed.items()])
+    return "\n".join(lines + [f"  {reason}" for reason in failed.values()])
 
 
 def write(manifest: str | Path, shard: str, failed: dict[str, str], samples: int, reused: int) -> None:
@@ -55,7 +55,7 @@ def summary(extract_dir: str | Path) -> str:
     lines = []
     for record in sorted(Path(extract_dir).glob(f"shard-*{SUFFIX}")):
         doc = json.loads(record.read_text())
-        lines += [f"  {record}: sample {f['sample_id']}: {f['reason']}" for f in doc["failed"]]
+        lines += [f"  {record}: {f['reason']}" for f in doc["failed"]]
     if not lines:
         return ""
     header = (f"{len(lines)} sample(s) failed in extract; `snakemake retry_failed` computes only them "

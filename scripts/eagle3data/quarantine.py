@@ -4,9 +4,9 @@ Used by `validate` under `validation.policy: quarantine`. Each failing sample's 
 store to `<directory>/<sample id>.safetensors`, beside `<sample id>.reason.txt` (its failures, one per
 line), and the sample is recorded as skipped with reason `quarantined: <checks>`, so pack's counts
 reconcile and the report shows it. Nothing is dropped silently, and nothing is deleted: the file stays
-for inspection. With its files gone from the store, the shard's extract manifest no longer tells the
-truth, so it is removed too: the next run re-runs extract for the shard, which recomputes exactly the
-samples whose files are missing.
+for inspection. The reason files are inputs of the shard's extract job (rules/extract.smk), newer than
+its outputs now, so the next run re-runs extract for the shard, which recomputes exactly the samples
+whose files are gone from the store, and validates them again.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from eagle3data.schemas import SkippedShard, check
 from eagle3data.store import STATES_SUFFIX, atomic_write_text
 
 
-def quarantine(found: list[Failure], tokenized: pd.DataFrame, paths: dict[str, str], directory: str,
-               extract_manifest: str) -> pd.DataFrame:
+def quarantine(found: list[Failure], tokenized: pd.DataFrame, paths: dict[str, str], directory: str) -> pd.DataFrame:
     """Set aside the samples of `found`; return their SkippedShard rows."""
     by_sample: dict[str, list[Failure]] = {}
     for failure in found:
@@ -44,7 +43,5 @@ def quarantine(found: list[Failure], tokenized: pd.DataFrame, paths: dict[str, s
                 "reason": f"quarantined: {checks} (see {reason_file})",
             }
         )
-    if rows:
-        Path(extract_manifest).unlink(missing_ok=True)
     columns = list(SkippedShard.to_schema().columns)
     return check(SkippedShard, pd.DataFrame(rows, columns=columns), f"quarantined samples in {directory}")

@@ -35,8 +35,8 @@ class Trainer:
 
     def convention(self, num_hidden_layers: int) -> str:
         if self.id_offset == 0:
-            return f"id k = residual stream entering decoder layer k (vLLM aux id; {num_hidden_layers} = final)"
-        return "id k = output of decoder layer k (SGLang adds 1 internally)"
+            return f"id k = residual stream entering decoder layer k, vLLM's aux numbering, {num_hidden_layers} = final"
+        return "id k = output of decoder layer k, SGLang's numbering"
 
     def id_range(self, num_hidden_layers: int) -> range:
         """Layer ids the trainer can ask for: speculators 0..N, SpecForge (SGLang) 0..N-2."""
@@ -96,8 +96,8 @@ def layout(trainer: Trainer, metadata: dict, layer_ids: list[int] | None = None)
     for layer_id in layer_ids:
         if layer_id not in trainer.id_range(n):
             raise ExportRefused(
-                f"{trainer.name}: layer id {layer_id} is outside the ids it can use for a {n}-layer model "
-                f"({trainer.id_range(n).start}..{trainer.id_range(n).stop - 1}; {trainer.convention(n)})"
+                f"{trainer.name}: layer id {layer_id} is outside the ids it can use with {n} decoder layers: "
+                f"{trainer.id_range(n).start}..{trainer.id_range(n).stop - 1} ({trainer.convention(n)})"
             )
         capture = by_stream.get(layer_id + trainer.id_offset)
         if capture is None:

@@ -102,7 +102,7 @@ def run(job: ValidateJob) -> pd.DataFrame:
         raise BoundaryError(summary(title, table + found, len(tokenized), files))
     failed = {f.sample_id for f in found}
     paths = dict(zip(extracted["sample_id"], extracted["path"]))
-    quarantined = quarantine(found, tokenized, paths, job.quarantine_dir, job.extract_manifest)
+    quarantined = quarantine(found, tokenized, paths, job.quarantine_dir)
     if found:
         logger.warning(summary(
             f"validation of {job.tokenized} (policy quarantine): quarantined in {job.quarantine_dir}, "

@@ -1,0 +1,257 @@
+"""Re-runs after crashes, failed samples and changed inputs: nothing finished is computed twice.
+
+Real workflow runs on the first 8 (or 12) demo conversations, one sample per engine call so that a run
+stopped mid-shard leaves the same batches to compute as an uninterrupted run. Runs are killed with the
+test-only hook `EAGLE3DATA_TEST_KILL_AT` (eagle3data.testing): at a named point the process group of the
+whole run (snakemake, the job, vLLM's processes) gets SIGKILL, as in a node crash. A file's inode and
+mtime change whenever it is written again (every write is a rename of a new file), so an unchanged
+(inode, mtime) proves a finished sample was never computed again. Each engine start costs ~30 s here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import datasets
+import pandas as pd
+import pytest
+import yaml
+from conftest import DEMO_CONVERSATIONS, REPO, SNAKEMAKE, demo_config, run_snakemake, with_defaults
+from safetensors import safe_open
+
+from eagle3data.settings import Settings
+from eagle3data.testing import KILL_ENV
+
+pytestmark = pytest.mark.slow
+
+RUN = "results/t"
+COUNTS = re.compile(r"(\d+) samples, (\d+) reused from the store, (\d+) to compute")
+
+
+def small_config(model_path: Path, **overrides) -> dict:
+    """The demo config on `conversations.jsonl` of the run directory, one sample per engine call;
+    `overrides` replace top-level values and update sections."""
+    config = demo_config(run="t", input="conversations.jsonl", shard_size=8,
+                         model={"path": str(model_path), "build_demo": False}, engine={"batch_samples": 1})
+    for key, value in overrides.items():
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    return config
+
+
+def new_run(workdir: Path, conversations: int) -> Path:
+    """A run directory holding the first `conversations` demo conversations as its input."""
+    workdir.mkdir(parents=True)
+    lines = [line for line in DEMO_CONVERSATIONS.read_text().splitlines() if line.strip()]
+    (workdir / "conversations.jsonl").write_text("\n".join(lines[:conversations]) + "\n")
+    return workdir
+
+
+def run_killed_at(workdir: Path, point: str) -> None:
+    """The workflow as run_snakemake runs it, but in a session of its own (the hook kills the whole
+    process group: run_snakemake's would include pytest), SIGKILLed at `point`; then --unlock, which a
+    killed snakemake needs before the next run."""
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2",
+           "--configfile", str(workdir / "test-config.yaml")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=workdir, start_new_session=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", KILL_ENV: point})
+    assert proc.returncode == -signal.SIGKILL, f"not killed at {point}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    run_snakemake(workdir, "--unlock")
+
+
+def stored(workdir: Path) -> dict[str, tuple[int, int]]:
+    """Every finished states file of the store: its (inode, mtime)."""
+    return {p.stem: (p.stat().st_ino, p.stat().st_mtime_ns)
+            for p in (workdir / RUN / "states").rglob("*.safetensors")}
+
+
+def temporary_files(workdir: Path) -> list[Path]:
+    return [p for p in (workdir / RUN / "states").rglob(".*.tmp-*")]
+
+
+def extract_log(workdir: Path, shard: str = "00000") -> str:
+    return (workdir / RUN / f"logs/extract/shard-{shard}.log").read_text()
+
+
+def extract_counts(workdir: Path, shard: str = "00000") -> tuple[int, int, int]:
+    """(samples, reused, to compute) as the shard's last extract job logged them."""
+    return tuple(int(n) for n in COUNTS.search(extract_log(workdir, shard)).groups())
+
+
+def stats(workdir: Path, shard: str = "00000") -> dict:
+    return json.loads((workdir / RUN / f"extract/shard-{shard}.stats.json").read_text())
+
+
+def tokenized(workdir: Path, shard: str = "00000") -> pd.DataFrame:
+    return pd.read_parquet(workdir / RUN / f"tokenized/shard-{shard}.parquet").set_index("sample_id")
+
+
+def statuses(workdir: Path, shard: str = "00000") -> dict[str, str]:
+    manifest = pd.read_parquet(workdir / RUN / f"extract/shard-{shard}.parquet")
+    return dict(zip(manifest["sample_id"], manifest["status"]))
+
+
+def dataset(workdir: Path):
+    return datasets.load_from_disk(str(workdir / RUN / "dataset")).data.table
+
+
+def assert_same_dataset(workdir: Path, reference: Path) -> None:
+    """Same rows in the same order, the tensor data identical bit for bit."""
+    found, expected = dataset(workdir), dataset(reference)
+    assert found.column_names == expected.column_names
+    for column in expected.column_names:
+        assert found[column].equals(expected[column]), f"column {column} differs from the uninterrupted run"
+
+
+def assert_unchanged(before: dict, after: dict) -> None:
+    rewritten = sorted(s for s, stamp in before.items() if after.get(s) != stamp)
+    assert not rewritten, f"finished samples written again: {rewritten}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_deepseek) -> Path:
+    """An uninterrupted run over 8 conversations (one shard): what every other run must reproduce."""
+    workdir = new_run(tmp_path_factory.mktemp("reference") / "run", 8)
+    run_snakemake(workdir, config=small_config(tiny_deepseek))
+    return workdir
+
+
+@pytest.fixture
+def reference_copy(reference, tmp_path) -> Path:
+    """A private copy of the reference run, .snakemake included: Snakemake's params triggers read it."""
+    return Path(shutil.copytree(reference, tmp_path / "run", symlinks=True))
+
+
+# (kill point, finished samples in the store after the kill). Each run starts where the last one died.
+KILLS = [
+    ("extract:engine_ready", 0),  # the engine is up, no sample computed yet
+    ("extract:sample_done#3", 3),  # mid-shard: the third sample checked
+    ("write:*.safetensors#2", 4),  # the worker writing this run's second file, under its temporary name
+    ("write:*/extract/shard-00000.parquet", 8),  # every sample stored, the manifest not renamed yet
+    ("write:*/eagle3_metadata.json", 8),  # pack: data files written, the dataset not renamed into place
+]
+
+
+def test_runs_killed_anywhere_resume_to_the_uninterrupted_dataset(reference, tiny_deepseek, tmp_path):
+    workdir = new_run(tmp_path / "run", 8)
+    (workdir / "test-config.yaml").write_text(yaml.safe_dump(small_config(tiny_deepseek)))
+    finished: dict = {}
+    for point, now_finished in KILLS:
+        run_killed_at(workdir, point)
+        samples, reused, to_compute = extract_counts(workdir)
+        # Every sample finished before this run was reused; only the rest was computed.
+        assert (samples, reused, to_compute) == (8, len(finished), 8 - len(finished)), point
+        assert ("starting vllm" in extract_log(workdir)) == (to_compute > 0), point
+        now = stored(workdir)
+        assert len(now) == now_finished, point
+        assert_unchanged(finished, now)
+        finished = now
+        if point.startswith("write:*.safetensors"):
+            assert len(temporary_files(workdir)) == 1  # the file being written: never taken as a result
+        if point.startswith("write:*/extract"):
+            assert not (workdir / RUN / "extract/shard-00000.parquet").exists()
+    assert not (workdir / RUN / "dataset").exists()  # killed in pack: nothing looks complete
+    proc = run_snakemake(workdir)
+    assert "Extracting hidden states" not in proc.stdout + proc.stderr
+    assert_unchanged(finished, stored(workdir))
+    assert set(statuses(workdir).values()) == {"reused"}
+    assert_same_dataset(workdir, reference)
+
+
+def test_a_failing_sample_is_named_recorded_and_retried_alone(reference, tiny_deepseek, tmp_path):
+    workdir = new_run(tmp_path / "run", 8)
+    first_shard = list(tokenized(reference).index[:4])  # shard 00000 at 4 conversations per shard
+    victim = first_shard[1]
+    config = small_config(tiny_deepseek, shard_size=4, testing={"fail_samples": [victim]})
+    proc = run_snakemake(workdir, "--retries", "1", config=config, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"sample {victim}: failed on purpose" in out  # printed by the Snakefile's onerror
+    record = json.loads((workdir / RUN / "extract/shard-00000.failed.json").read_text())
+    assert [f["sample_id"] for f in record["failed"]] == [victim]
+    assert "testing.fail_samples" in record["failed"][0]["reason"]
+    # Snakemake retried the job with twice the memory; the retry computed only the failed sample.
+    assert "shard 00000 (0 GPUs, 4000 MB)" in out and "shard 00000 (0 GPUs, 8000 MB)" in out
+    assert extract_counts(workdir) == (4, 3, 1)
+    kept = stored(workdir)
+    assert set(kept) == set(first_shard) - {victim} | set(tokenized(reference).index[4:])
+    assert stats(workdir, "00001")["computed"] == 4  # --keep-going (profiles/default): shard 1 finished
+    assert not (workdir / RUN / "extract/shard-00000.parquet").exists()
+
+    del config["testing"]  # the cause removed: retry only what failed
+    proc = run_snakemake(workdir, "--", "retry_failed", config=config)
+    out = proc.stdout + proc.stderr
+    assert "Extracting hidden states for shard 00000" in out and "shard 00001" not in out
+    assert (stats(workdir)["reused"], stats(workdir)["computed"]) == (3, 1)
+    assert statuses(workdir)[victim] == "computed"
+    assert not (workdir / RUN / "extract/shard-00000.failed.json").exists()
+    assert_unchanged(kept, stored(workdir))
+
+    proc = run_snakemake(workdir)
+    assert "Extracting hidden states" not in proc.stdout + proc.stderr
+    assert_same_dataset(workdir, reference)
+
+
+def test_appended_conversations_compute_only_the_new_samples(reference_copy, tiny_deepseek):
+    workdir = reference_copy
+    before, old_shard = stored(workdir), list(tokenized(workdir).index)
+    lines = [line for line in DEMO_CONVERSATIONS.read_text().splitlines() if line.strip()]
+    with open(workdir / "conversations.jsonl", "a") as f:
+        f.write("\n".join(lines[8:12]) + "\n")
+    run_snakemake(workdir)
+    assert list(tokenized(workdir).index) == old_shard  # shard 00000 keeps its samples
+    assert (stats(workdir)["reused"], stats(workdir)["computed"]) == (8, 0)
+    assert "starting vllm" not in extract_log(workdir)
+    new = set(tokenized(workdir, "00001").index)
+    assert len(new) == 4 and not new & set(old_shard)
+    assert (stats(workdir, "00001")["reused"], stats(workdir, "00001")["computed"]) == (0, 4)
+    assert_unchanged(before, stored(workdir))
+    assert len(dataset(workdir)) == 12
+
+
+def test_a_shorter_max_seq_len_recomputes_exactly_the_samples_it_changes(reference_copy, tiny_deepseek):
+    workdir = reference_copy
+    before, lengths = stored(workdir), tokenized(workdir)["num_tokens"]
+    proc = run_snakemake(workdir, config=small_config(tiny_deepseek, sequence={"max_seq_len": 128}))
+    assert "Params have changed since last execution" in proc.stdout + proc.stderr
+    longer = set(lengths[lengths > 128].index)
+    assert 0 < len(longer) < len(lengths)
+    assert {s for s, status in statuses(workdir).items() if status == "computed"} == longer
+    after = stored(workdir)
+    assert_unchanged({s: v for s, v in before.items() if s not in longer}, after)
+    for sample_id in longer:
+        assert after[sample_id] != before[sample_id]
+        path = workdir / pd.read_parquet(workdir / RUN / "extract/shard-00000.parquet").set_index(
+            "sample_id").loc[sample_id, "path"]
+        with safe_open(str(path), framework="pt") as f:
+            assert f.get_slice("token_ids").get_shape() == [128]
+    assert max(dataset(workdir)["seq_len"].to_pylist()) == 128
+
+
+def test_engine_settings_rerun_nothing_but_the_captures_rerun_extract(reference_copy, tiny_deepseek):
+    workdir = reference_copy
+    engine = {"batch_samples": 4, "max_num_seqs": 4, "max_num_batched_tokens": 2048, "cpu_kv_cache_gib": 2}
+    proc = run_snakemake(workdir, "-n", config=small_config(tiny_deepseek, engine=engine))
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+    captures = demo_config()["captures"][:3]
+    proc = run_snakemake(workdir, "-n", config=small_config(tiny_deepseek, captures=captures))
+    out = proc.stdout + proc.stderr
+    assert re.search(r"extract\s+1", out) and "Params have changed since last execution" in out
+
+
+def test_the_store_key_follows_what_determines_the_data(tiny_deepseek):
+    def key(**overrides) -> Path:
+        return Settings(with_defaults(small_config(tiny_deepseek, **overrides))).store_dir
+
+    base = key()
+    assert key(engine={"batch_samples": 64, "max_num_seqs": 2, "tensor_parallel_size": 2}) == base
+    assert key(sequence={"max_seq_len": 128}) == base  # tokens are compared file by file instead
+    assert key(engine={"load_format": "safetensors"}) == base
+    assert key(engine={"load_format": "dummy"}) != base
+    assert key(model={"dtype": "float32"}) != base
+    assert key(captures=demo_config()["captures"][:3]) != base

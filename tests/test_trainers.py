@@ -1,0 +1,175 @@
+"""The packed demo dataset feeds real EAGLE-3 trainers: speculators 0.9 trains on its export (on CPU, via
+tests/speculators_cpu.py), SpecForge 0.2's offline reader reads its export tensor for tensor as the packed
+dataset holds them, and both libraries accept the pipeline's draft vocabulary.
+
+The trainers are test-only dependencies (envs/setup.sh installs them with --no-deps, keeping this torch).
+All checks run on the session's demo run; one copy of it is brought up to date with the exports enabled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, demo_config, run_snakemake
+from safetensors.torch import load_file
+
+from eagle3data import open_dataset
+from eagle3data.trainers import SPECULATORS, ExportRefused, layout
+
+pytestmark = pytest.mark.slow
+
+RUN = "results/demo"
+MODEL = "resources/demo-model"
+BOTH = {"speculators": {"enabled": True}, "specforge": {"enabled": True}}
+
+
+@pytest.fixture(scope="module")
+def exported(demo_run, tmp_path_factory) -> tuple[Path, str]:
+    """A copy of the demo run, re-run with both exports enabled: (its directory, Snakemake's output)."""
+    run = tmp_path_factory.mktemp("exported") / "run"
+    shutil.copytree(demo_run, run, symlinks=True, ignore=shutil.ignore_patterns(".snakemake"))
+    proc = run_snakemake(run, config=demo_config(export=BOTH))
+    return run, proc.stdout + proc.stderr
+
+
+def test_vocab_is_counted_over_trainable_tokens_and_agrees_with_both_trainers(demo_run):
+    from specforge.core.compact_teacher import validate_vocab_mapping_consistency
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    counts = Counter()
+    for row in open_dataset(demo_run / RUN / "dataset"):
+        counts.update(row["input_ids"][row["loss_mask"] == 1].tolist())
+    token_freq = torch.load(demo_run / RUN / "token_freq.pt", weights_only=True)
+    assert token_freq == dict(counts)
+    mapping = torch.load(demo_run / RUN / "vocab_mapping.pt", weights_only=True)
+    d2t, t2d = build_vocab_mappings_from_distribution(token_freq, draft_vocab_size=256, target_vocab_size=950)
+    assert torch.equal(mapping["d2t"], d2t) and torch.equal(mapping["t2d"], t2d)
+    validate_vocab_mapping_consistency(mapping["t2d"], mapping["d2t"])  # SpecForge's own check
+
+
+def test_dataset_card_states_each_trainers_settings(demo_run):
+    dataset = demo_run / RUN / "dataset"
+    trainers = open_dataset(dataset).metadata["trainers"]
+    wanted = ("layer_ids", "aux_slots", "final_state", "final_state_source_slot", "hidden_size", "dtype")
+    assert [trainers["speculators"][k] for k in wanted] == [[2, 4, 5], [0, 1, 2], "pre_norm", 3, 128, "bfloat16"]
+    assert [trainers["specforge"][k] for k in wanted] == [[1, 3, 4], [0, 1, 2], "post_norm", 3, 128, "bfloat16"]
+    card = (dataset / "README.md").read_text()
+    assert "`--target-layer-ids 2 4 5`" in card and "`model.aux_hidden_state_layer_ids: [1, 3, 4]`" in card
+    assert "before the final norm" in card and "after the final norm" in card and "Hidden size 128" in card
+
+
+def test_exports_are_rules_outside_the_default_target_until_enabled(demo_run, exported):
+    assert not (demo_run / RUN / "export").exists()
+    run, log = exported
+    assert set(re.findall(r"\(Rule: (\w+)\)", log)) == {"export_speculators", "export_specforge", "all"}
+    for name, ids in (("speculators", [2, 4, 5]), ("specforge", [1, 3, 4])):
+        manifest = json.loads((run / RUN / "export" / name / "eagle3_export.json").read_text())
+        assert (manifest["samples"], manifest["layer_ids"], manifest["aux_captures"]) == (
+            20, ids, ["layer2_input", "layer4_input", "layer5_input"])
+
+
+def test_speculators_trains_on_its_export_on_cpu(exported, tmp_path):
+    run, _ = exported
+    data = run / RUN / "export" / "speculators"
+    metrics = tmp_path / "metrics.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "speculators_cpu.py"), str(metrics),
+         "--verifier-name-or-path", str(run / MODEL), "--data-path", str(data), "--speculator-type", "eagle3",
+         "--target-layer-ids", "2", "4", "5", "--draft-vocab-size", "256", "--total-seq-len", "512",
+         "--num-workers", "0", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
+         "--hidden-states-dtype", "float32", "--on-missing", "raise", "--epochs", "4", "--lr", "1e-3",
+         "--save-path", str(tmp_path / "draft")],
+        capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train = [r["train"] for r in records if "train" in r]
+    val = [r["val"]["loss_epoch"] for r in records if "val" in r]
+    assert len(train) >= 24 and len(val) == 4
+    # The trainer only warns and drops a row whose hidden-state token ids differ from its input ids.
+    assert [t["error_records"] for t in train] == [0.0] * len(train)
+    assert "match input ids" not in output
+    assert val[-1] < 0.95 * val[0], f"validation loss by epoch: {val}"
+
+
+def test_specforge_offline_reader_reads_exactly_the_packed_tensors(exported):
+    from specforge.algorithms.eagle3.data import build_offline_collator, build_offline_normalizer
+    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+    from specforge.training.vocab_mapping import count_effective_feature_tokens
+    from transformers import AutoModelForCausalLM
+
+    run, _ = exported
+    export = run / RUN / "export" / "specforge"
+    rows = list(open_dataset(run / RUN / "dataset"))
+    refs = OfflineManifestReader(str(export / "hidden_states"), run_id="t", max_len=512, validate_files=True).read()
+    assert len(refs) == len(rows)
+    for ref, row in zip(refs, rows):
+        length = len(row["input_ids"])
+        assert ref.feature_specs["aux_hidden_state"].shape == (1, length, 3 * 128)
+        assert ref.feature_specs["hidden_state"].shape == (1, length, 128)
+    norm = AutoModelForCausalLM.from_pretrained(str(run / MODEL), dtype=torch.float32).model.norm
+    loader = FeatureDataLoader(LocalFeatureStore("t"), refs=refs, collate_fn=build_offline_collator(),
+                               per_sample_transform=build_offline_normalizer(512), strategy="eagle3")
+    seen = 0
+    for batch in loader:
+        row = rows[int(batch.sample_ids[0].split(":")[1])]
+        got, states = batch.tensors, row["hidden_states"]
+        assert torch.equal(got["input_ids"][0], row["input_ids"])
+        assert torch.equal(got["loss_mask"][0, :-1], row["loss_mask"][:-1])  # SpecForge zeroes the last
+        assert torch.equal(got["hidden_state"][0], states[:, :3, :].reshape(len(states), -1))
+        with torch.no_grad():
+            assert torch.equal(got["target"][0], norm(states[:, 3, :].float()).to(torch.bfloat16))
+        seen += 1
+    assert seen == len(rows)
+    token_freq = torch.load(run / RUN / "token_freq.pt", weights_only=True)
+    assert dict(count_effective_feature_tokens(str(export / "hidden_states"), target_vocab_size=950)) == token_freq
+    assert torch.equal(torch.load(export / "vocab_mapping.pt")["d2t"],
+                       torch.load(run / RUN / "vocab_mapping.pt")["d2t"])
+
+
+def export_cli(run: Path, trainer: str, out: Path, *layer_ids: int) -> subprocess.CompletedProcess:
+    extra = (["--token-freq", f"{RUN}/token_freq.pt"] if trainer == "speculators" else ["--model", MODEL])
+    return subprocess.run(
+        [sys.executable, "-m", f"eagle3data.export_{trainer}", f"{RUN}/dataset", str(out), *extra,
+         "--vocab-mapping", f"{RUN}/vocab_mapping.pt", "--layer-ids", *map(str, layer_ids)],
+        capture_output=True, text=True, timeout=300, cwd=run)
+
+
+def test_layer_ids_are_renamed_when_exact_and_refused_when_not(demo_run, tmp_path):
+    # Outputs of layers 2, 3, 4 (SpecForge ids) are the inputs of layers 3, 4, 5: the dataset has 4 and 5,
+    # not 3.
+    proc = export_cli(demo_run, "specforge", tmp_path / "sf", 2, 3, 4)
+    assert proc.returncode == 1 and not (tmp_path / "sf").exists()
+    assert ("specforge: layer id 2 (id k = output of decoder layer k, SGLang's numbering) is vLLM aux id 3, "
+            "which the dataset did not capture") in proc.stderr
+    assert "Use ids [1, 3, 4] for this data" in proc.stderr
+    assert "expected exactly 3 aux layer ids, found 2" in export_cli(demo_run, "specforge", tmp_path / "sf", 1, 3).stderr
+    # Another order of captured layers is exact: slots follow the trainer's order.
+    proc = export_cli(demo_run, "speculators", tmp_path / "sp", 5, 2, 4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = open_dataset(demo_run / RUN / "dataset")[0]
+    written = load_file(str(tmp_path / "sp" / "hidden_states" / "hs_0.safetensors"))
+    assert torch.equal(written["hidden_states"], row["hidden_states"][:, [2, 0, 1, 3], :])
+    assert torch.equal(written["token_ids"], row["input_ids"])
+    proc = export_cli(demo_run, "speculators", tmp_path / "sp", 2, 4, 5)
+    assert proc.returncode == 1 and "exports never overwrite" in proc.stderr
+
+
+def test_a_dataset_without_the_pre_norm_final_state_is_refused(demo_run):
+    meta = open_dataset(demo_run / RUN / "dataset").metadata
+    with pytest.raises(ExportRefused, match=r"needs the verifier's final hidden state \(output of decoder "
+                                            r"layer 7, vLLM aux id 8\); the dataset holds only layer2_input"):
+        layout(SPECULATORS, {**meta, "captures": meta["captures"][:3]})
+    post_norm = [*meta["captures"][:3], {**meta["captures"][3], "final_norm_applied": True}]
+    with pytest.raises(ExportRefused, match="holds it after the norm, which cannot be undone exactly"):
+        layout(SPECULATORS, {**meta, "captures": post_norm})
