@@ -45,7 +45,8 @@ class Sample:
 
 def samples(run: Path, shard: str) -> list[Sample]:
     """The shard's samples, without the one the demo input holds twice (it is in two shards)."""
-    tokenized = {s: pd.read_parquet(run / RUN / f"tokenized/shard-{s}.parquet") for s in ("00000", "00001", "00002")}
+    tokenized = {s: pd.read_parquet(run / RUN / f"tokenized/shard-{s}.parquet")
+                 for s in ("00000", "00001", "00002")}
     counts = pd.concat(tokenized.values())["sample_id"].value_counts()
     manifest = pd.read_parquet(run / RUN / f"extract/shard-{shard}.parquet").set_index("sample_id")
     return [Sample(row.sample_id, shard, run / manifest.loc[row.sample_id, "path"], int(row.num_tokens))
@@ -64,13 +65,13 @@ def table(path: Path, keep_mtime: bool = False):
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
-def rerun(run: Path, *shards: str, policy: str = "fail", args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def rerun(run: Path, *shards: str, policy: str = "fail") -> subprocess.CompletedProcess:
     for shard in shards:
         for suffix in ("parquet", "quarantined.parquet"):
             (run / RUN / f"validated/shard-{shard}.{suffix}").unlink(missing_ok=True)
     shutil.rmtree(run / RUN / "dataset", ignore_errors=True)
     (run / RUN / "dataset.counts.json").unlink(missing_ok=True)
-    return run_snakemake(run, *args, config=demo_config(validation={"policy": policy}), check=False)
+    return run_snakemake(run, config=demo_config(validation={"policy": policy}), check=False)
 
 
 def validate_log(run: Path, shard: str) -> str:

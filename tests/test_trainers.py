@@ -59,8 +59,10 @@ def test_dataset_card_states_each_trainers_settings(demo_run):
     dataset = demo_run / RUN / "dataset"
     trainers = open_dataset(dataset).metadata["trainers"]
     wanted = ("layer_ids", "aux_slots", "final_state", "final_state_source_slot", "hidden_size", "dtype")
-    assert [trainers["speculators"][k] for k in wanted] == [[2, 4, 5], [0, 1, 2], "pre_norm", 3, 128, "bfloat16"]
-    assert [trainers["specforge"][k] for k in wanted] == [[1, 3, 4], [0, 1, 2], "post_norm", 3, 128, "bfloat16"]
+    assert [trainers["speculators"][k] for k in wanted] == [[2, 4, 5], [0, 1, 2], "pre_norm", 3, 128,
+                                                            "bfloat16"]
+    assert [trainers["specforge"][k] for k in wanted] == [[1, 3, 4], [0, 1, 2], "post_norm", 3, 128,
+                                                          "bfloat16"]
     card = (dataset / "README.md").read_text()
     assert "`--target-layer-ids 2 4 5`" in card and "`model.aux_hidden_state_layer_ids: [1, 3, 4]`" in card
     assert "before the final norm" in card and "after the final norm" in card and "Hidden size 128" in card
@@ -111,7 +113,8 @@ def test_specforge_offline_reader_reads_exactly_the_packed_tensors(exported):
     run, _ = exported
     export = run / RUN / "export" / "specforge"
     rows = list(open_dataset(run / RUN / "dataset"))
-    refs = OfflineManifestReader(str(export / "hidden_states"), run_id="t", max_len=512, validate_files=True).read()
+    features = str(export / "hidden_states")
+    refs = OfflineManifestReader(features, run_id="t", max_len=512, validate_files=True).read()
     assert len(refs) == len(rows)
     for ref, row in zip(refs, rows):
         length = len(row["input_ids"])
@@ -132,7 +135,7 @@ def test_specforge_offline_reader_reads_exactly_the_packed_tensors(exported):
         seen += 1
     assert seen == len(rows)
     token_freq = torch.load(run / RUN / "token_freq.pt", weights_only=True)
-    assert dict(count_effective_feature_tokens(str(export / "hidden_states"), target_vocab_size=950)) == token_freq
+    assert dict(count_effective_feature_tokens(features, target_vocab_size=950)) == token_freq
     assert torch.equal(torch.load(export / "vocab_mapping.pt")["d2t"],
                        torch.load(run / RUN / "vocab_mapping.pt")["d2t"])
 
@@ -153,7 +156,8 @@ def test_layer_ids_are_renamed_when_exact_and_refused_when_not(demo_run, tmp_pat
     assert ("specforge: layer id 2 (id k = output of decoder layer k, SGLang's numbering) is vLLM aux id 3, "
             "which the dataset did not capture") in proc.stderr
     assert "Use ids [1, 3, 4] for this data" in proc.stderr
-    assert "expected exactly 3 aux layer ids, found 2" in export_cli(demo_run, "specforge", tmp_path / "sf", 1, 3).stderr
+    proc = export_cli(demo_run, "specforge", tmp_path / "sf", 1, 3)
+    assert proc.returncode == 1 and "expected exactly 3 aux layer ids, found 2" in proc.stderr
     # Another order of captured layers is exact: slots follow the trainer's order.
     proc = export_cli(demo_run, "speculators", tmp_path / "sp", 5, 2, 4)
     assert proc.returncode == 0, proc.stderr[-3000:]

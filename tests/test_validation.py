@@ -82,7 +82,8 @@ def test_one_run_lists_every_failure_then_quarantine_packs_the_rest_and_the_next
     for sample, check in checks.items():
         quarantine = demo_copy / RUN / f"quarantine/shard-{sample.shard}"
         assert skipped[sample.sample_id].startswith(f"quarantined: {check}")
-        assert f"sample {sample.sample_id} | check {check}" in (quarantine / f"{sample.sample_id}.reason.txt").read_text()
+        reason = (quarantine / f"{sample.sample_id}.reason.txt").read_text()
+        assert f"sample {sample.sample_id} | check {check}" in reason
         assert not sample.path.exists()
         assert (quarantine / f"{sample.sample_id}.safetensors").exists() == (sample is not gone)
         failure_line(validate_log(demo_copy, sample.shard), sample.sample_id, check)

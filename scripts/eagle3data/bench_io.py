@@ -1,16 +1,20 @@
 """Benchmark figures 2, 3 and 6: validate, pack and storage on Kimi-sized synthetic samples.
 
-Kimi-K2.5's shape (61 layers, hidden 7168, four captures) is written as config.json only; samples of
-`[512, 4, 7168]` random bf16 states are written as the store's files (`store.sample_path`,
-`store.atomic_path`, the connector's tensors), one extract manifest per shard. The real `validate` and
-`pack` stages then run on them, each beside its reference on the same files: plainly reading them, and
-`cp` of them. Pack runs in a child process (`python -m eagle3data.bench_io pack JOB.json`) so that its
-peak RSS is its own.
+Kimi-K2.5's shape (61 layers, hidden 7168, the four captures of config/kimi-k2.5.yaml) is written as
+config.json only; samples of `[512, 4, 7168]` random bf16 states are written as the store's files
+(`store.sample_path`, `store.atomic_path`, the connector's tensors) with a tokenized shard and an extract
+manifest per shard. The real `validate` and `pack` stages then run on them as Snakemake runs them: in
+their own process with OMP_NUM_THREADS=1 (the rules' `threads`), timed inside it
+(`python -m eagle3data.bench_io validate|pack JOB.json`), beside their references on the same files:
+plainly reading them, and `cp` of them. Before each timed pass the files are dropped from the page cache
+(posix_fadvise DONTNEED), so every pass reads them from disk, as a production shard (tens of GB) is
+read; `os.sync()` first, so no pass pays for an earlier one's writes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -24,13 +28,11 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from eagle3data.pack import PackJob
 from eagle3data.schemas import ExtractManifest, SkippedShard, check
 from eagle3data.settings import Settings
 from eagle3data.shapes import write_shape
 from eagle3data.store import atomic_path, sample_path
 from eagle3data.synthetic import random_prompts, write_token_shard
-from eagle3data.validate import ValidateJob, run as validate_run
 
 REPO = Path(__file__).resolve().parents[2]
 READ_CHUNK = 8 << 20
@@ -59,7 +61,6 @@ def kimi_settings(work: Path) -> Settings:
 def write_shards(settings: Settings, work: Path, shards: int, samples: int, tokens: int) -> list[Shard]:
     """`shards` shards of `samples` random samples of `tokens` tokens, as tokenize and extract leave them."""
     expected = settings.expected
-    store = work / "store"
     out = []
     for i in range(shards):
         prompts = random_prompts(samples, tokens, settings.model.vocab_size, seed=i)
@@ -69,67 +70,70 @@ def write_shards(settings: Settings, work: Path, shards: int, samples: int, toke
         write_token_shard(shard.tokenized, prompts)
         rows = []
         for sid, ids in prompts.items():
-            path = sample_path(store, sid)
+            path = sample_path(work / "store", sid)
             states = torch.randn(len(ids), len(expected.captures), expected.hidden_size).to(torch.bfloat16)
             with atomic_path(path) as tmp:
                 save_file({"hidden_states": states, "token_ids": torch.tensor(ids, dtype=torch.int64)}, tmp)
             rows.append((sid, len(ids), str(path), "computed"))
             shard.files.append(str(path))
-        manifest = check(ExtractManifest, pd.DataFrame(rows, columns=["sample_id", "num_tokens", "path", "status"]),
-                         shard.extract_manifest)
-        manifest.to_parquet(shard.extract_manifest, index=False)
+        manifest = pd.DataFrame(rows, columns=["sample_id", "num_tokens", "path", "status"])
+        check(ExtractManifest, manifest, shard.extract_manifest).to_parquet(shard.extract_manifest, index=False)
         skipped = pd.DataFrame({"sample_id": [], "source_row": [], "source_id": [], "reason": []})
         check(SkippedShard, skipped, shard.skipped).to_parquet(shard.skipped, index=False)
         out.append(shard)
     return out
 
 
+def files_of(shards: list[Shard]) -> list[str]:
+    return [f for s in shards for f in s.files]
+
+
 def file_bytes(shards: list[Shard]) -> int:
-    return sum(Path(f).stat().st_size for s in shards for f in s.files)
+    return sum(Path(f).stat().st_size for f in files_of(shards))
 
 
-def read_files(shards: list[Shard]) -> float:
-    """Seconds to read every states file into one reused buffer (the reference for validate)."""
+def drop_from_page_cache(paths: list[str]) -> None:
+    """Write back everything, then evict these files' pages: the next read comes from disk."""
+    os.sync()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_files(paths: list[str]) -> float:
+    """Seconds to read the files into one reused buffer: the reference for validate."""
     buffer = memoryview(bytearray(READ_CHUNK))
     began = time.perf_counter()
-    for shard in shards:
-        for path in shard.files:
-            with open(path, "rb", buffering=0) as f:
-                while f.readinto(buffer):
-                    pass
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
     return time.perf_counter() - began
 
 
-def validate_shards(settings: Settings, shards: list[Shard]) -> float:
-    """Seconds of the validate stage over every shard (writes each shard's states manifest)."""
-    began = time.perf_counter()
-    for shard in shards:
-        validate_run(ValidateJob(shard.tokenized, shard.extract_manifest, shard.states, shard.quarantined,
-                                 shard.tokenized + ".quarantine", settings.expected, settings.model.vocab_size,
-                                 settings.config["sequence"]))
-    return time.perf_counter() - began
-
-
-def copy_files(shards: list[Shard], dest: Path) -> float:
-    """Seconds of one `cp` of every states file of `shards` into `dest` (removed afterwards)."""
+def copy_files(paths: list[str], dest: Path) -> float:
+    """Seconds of one `cp` of the files into `dest` (removed afterwards): the reference for pack."""
     dest.mkdir(parents=True, exist_ok=True)
-    files = [f for s in shards for f in s.files]
     began = time.perf_counter()
-    subprocess.run(["cp", "--target-directory", str(dest), *files], check=True)
+    subprocess.run(["cp", "--target-directory", str(dest), *paths], check=True)
     seconds = time.perf_counter() - began
     shutil.rmtree(dest)
     return seconds
 
 
-def pack_in_child(settings: Settings, shards: list[Shard], out_dir: Path) -> dict:
-    """Pack `shards` into `out_dir` in a fresh process: its seconds, bytes and peak RSS."""
-    job = PackJob([s.tokenized for s in shards], [s.skipped for s in shards], [s.states for s in shards],
-                  [s.quarantined for s in shards], str(out_dir), str(out_dir) + ".counts.json",
-                  sum(len(s.files) for s in shards), settings.dataset_metadata())
-    job_file = out_dir.with_suffix(".job.json")
-    job_file.write_text(json.dumps(asdict(job)))
-    proc = subprocess.run([sys.executable, "-m", "eagle3data.bench_io", "pack", str(job_file)],
-                          stdout=subprocess.PIPE, text=True, check=True)
+def stage_in_child(stage: str, settings: Settings, shards: list[Shard], out_dir: Path) -> dict:
+    """Run `validate` (each shard) or `pack` (all shards into out_dir) in a fresh process with one
+    thread, as Snakemake runs the rule: its seconds and peak RSS."""
+    job = out_dir.with_suffix(f".{stage}.json")
+    job.write_text(json.dumps({"config": settings.config, "shards": [asdict(s) for s in shards],
+                               "out_dir": str(out_dir)}))
+    # Started through `timeout`, which forks it: a process exec'd straight from this one would count
+    # this one's memory in its ru_maxrss (Linux keeps the high-water mark across exec).
+    proc = subprocess.run(["timeout", "3600", sys.executable, "-m", "eagle3data.bench_io", stage, str(job)],
+                          check=True, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -137,21 +141,72 @@ def dataset_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _pack_child(job_file: str) -> None:
-    """Child process: run pack; print its seconds, the RSS before it and the process's peak RSS."""
-    from eagle3data.pack import run
+def measure(work: Path, shards: int, samples: int, tokens: int, repeats: int) -> dict:
+    """Figures 2, 3 and 6 on 4 x `shards` shards of `samples` samples of `tokens` tokens (pack's 1x
+    is the first `shards` of them). Subject and reference alternate; each keeps its best of `repeats`."""
+    settings = kimi_settings(work)
+    data = write_shards(settings, work, 4 * shards, samples, tokens)
+    files, nbytes = files_of(data), file_bytes(data)
+    timings = {"read": [], "validate": [], "cp": [], "pack": []}
+    for _ in range(repeats):
+        drop_from_page_cache(files)
+        timings["read"].append(read_files(files))
+        drop_from_page_cache(files)
+        timings["validate"].append(stage_in_child("validate", settings, data, work / "validated")["seconds"])
+        drop_from_page_cache(files)
+        timings["cp"].append(copy_files(files, work / "copy"))
+        drop_from_page_cache(files)
+        shutil.rmtree(work / "dataset-4x", ignore_errors=True)
+        pack_4x = stage_in_child("pack", settings, data, work / "dataset-4x")
+        timings["pack"].append(pack_4x["seconds"])
+    warm_read = read_files(files)
+    warm_validate = stage_in_child("validate", settings, data, work / "validated")["seconds"]
+    pack_1x = stage_in_child("pack", settings, data[:shards], work / "dataset-1x")
+    best = {k: min(v) for k, v in timings.items()}
+    packed_tokens = 4 * shards * samples * tokens
+    raw_per_token = len(settings.expected.captures) * settings.expected.hidden_size * 2
+    return {
+        "shape": {"captures": len(settings.expected.captures), "hidden_size": settings.expected.hidden_size,
+                  "tokens_per_sample": tokens, "samples_per_shard": samples, "shards_1x": shards,
+                  "shards_4x": 4 * shards, "files": len(files), "bytes": nbytes},
+        "seconds": timings,
+        "validate_bytes_per_second": nbytes / best["validate"], "read_bytes_per_second": nbytes / best["read"],
+        "warm": {"validate_bytes_per_second": nbytes / warm_validate, "read_bytes_per_second": nbytes / warm_read},
+        "pack_bytes_per_second": nbytes / best["pack"], "cp_bytes_per_second": nbytes / best["cp"],
+        "pack_peak_rss_mib": {"1x": pack_1x["peak_rss_mib"], "4x": pack_4x["peak_rss_mib"],
+                              "before_pack": pack_1x["rss_before_mib"]},
+        "dataset_bytes": dataset_bytes(work / "dataset-4x"), "packed_tokens": packed_tokens,
+        "dataset_bytes_per_token": dataset_bytes(work / "dataset-4x") / packed_tokens,
+        "raw_state_bytes_per_token": raw_per_token,
+    }
 
-    job = PackJob(**json.loads(Path(job_file).read_text()))
+
+def _child(stage: str, job_file: str) -> None:
+    """Child process: run the stage; print its seconds, the RSS before it and the process's peak RSS."""
+    from eagle3data.pack import PackJob, run as pack
+    from eagle3data.validate import ValidateJob, run as validate
+
+    job = json.loads(Path(job_file).read_text())
+    settings, shards = Settings(job["config"]), [Shard(**s) for s in job["shards"]]
+    expected, vocab, sequence = settings.expected, settings.model.vocab_size, settings.config["sequence"]
+    metadata = settings.dataset_metadata()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     began = time.perf_counter()
-    counts = run(job)
+    if stage == "validate":
+        for s in shards:
+            validate(ValidateJob(s.tokenized, s.extract_manifest, s.states, s.quarantined, s.tokenized + ".q",
+                                 expected, vocab, sequence))
+    else:
+        out = job["out_dir"]
+        pack(PackJob([s.tokenized for s in shards], [s.skipped for s in shards], [s.states for s in shards],
+                     [s.quarantined for s in shards], out, out + ".counts.json",
+                     sum(len(s.files) for s in shards), metadata))
     seconds = time.perf_counter() - began
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"seconds": seconds, "packed": counts["packed"], "rss_before_mib": before / 1024,
-                      "peak_rss_mib": peak / 1024}))
+    print(json.dumps({"seconds": seconds, "rss_before_mib": before / 1024, "peak_rss_mib": peak / 1024}))
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["pack"] or len(sys.argv) != 3:
-        sys.exit("usage: python -m eagle3data.bench_io pack JOB.json")
-    _pack_child(sys.argv[2])
+    if len(sys.argv) != 3 or sys.argv[1] not in ("validate", "pack"):
+        sys.exit("usage: python -m eagle3data.bench_io validate|pack JOB.json")
+    _child(*sys.argv[1:])

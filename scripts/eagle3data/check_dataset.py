@@ -24,7 +24,8 @@ from eagle3data import dataset as fmt
 from eagle3data.failures import BoundaryError, Failure, show, summary, validate
 from eagle3data.schemas import PackedRows
 
-REQUIRED = ("format_version", "model", "hidden_size", "dtype", "captures", "sequence", "fingerprint", "counts")
+REQUIRED = ("format_version", "model", "hidden_size", "dtype", "captures", "sequence", "fingerprint",
+            "counts")
 
 
 class DatasetCheckError(BoundaryError):

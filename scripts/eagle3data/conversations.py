@@ -12,7 +12,6 @@ import itertools
 import json
 from pathlib import Path
 
-import datasets
 import pyarrow.parquet as pq
 
 SHAREGPT_ROLES = {
@@ -54,8 +53,10 @@ def count_conversations(path: str | Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
-def read_shard(path: str | Path, start: int, stop: int) -> datasets.Dataset:
+def read_shard(path: str | Path, start: int, stop: int):
     """Rows [start, stop) of the input as a `datasets.Dataset` (plus their row numbers)."""
+    import datasets  # here, not above: the Snakefile imports this module to plan, and datasets costs seconds
+
     path = Path(path)
     suffix = _suffix(path)
     if suffix == ".parquet":

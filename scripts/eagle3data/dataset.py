@@ -40,17 +40,22 @@ def features(n_captures: int, hidden_size: int, dtype: str) -> datasets.Features
     )
 
 
-def states_array(states: list[torch.Tensor], dtype: str) -> pa.Array:
-    """Per-sample `[L, n, H]` tensors as the `hidden_states` column, without widening bf16."""
+def states_array(states: torch.Tensor, lengths: list[int], dtype: str) -> pa.Array:
+    """A batch's states, `[sum(lengths), n, H]` with the samples one after another, as the
+    `hidden_states` column: a view of the same memory, bf16 not widened."""
     storage, torch_dtype = STORAGE_DTYPES[dtype]
-    width = states[0].shape[1] * states[0].shape[2]
-    flat = torch.cat([s.reshape(-1) for s in states])
-    if flat.dtype != torch_dtype:
-        raise TypeError(f"hidden_states: expected {torch_dtype}, found {flat.dtype}")
-    values = pa.array(flat.view(torch.uint16 if storage == "uint16" else flat.dtype).numpy())
-    rows = pa.FixedSizeListArray.from_arrays(values, width)
-    offsets = np.cumsum([0] + [s.shape[0] for s in states], dtype=np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), rows)
+    if states.dtype != torch_dtype:
+        raise TypeError(f"hidden_states: expected {torch_dtype}, found {states.dtype}")
+    values = pa.array(states.reshape(-1).view(torch.uint16 if storage == "uint16" else states.dtype).numpy())
+    rows = pa.FixedSizeListArray.from_arrays(values, states.shape[1] * states.shape[2])
+    return pa.ListArray.from_arrays(pa.array(np.cumsum([0, *lengths], dtype=np.int32)), rows)
+
+
+def list_array(rows: list) -> pa.Array:
+    """Sequences of numbers (numpy arrays or lists), one per row, as a list column: one concatenation,
+    no loop over values (`pa.array(column, type=...)` then casts it, refusing values that do not fit)."""
+    values = pa.array(np.concatenate(rows))
+    return pa.ListArray.from_arrays(pa.array(np.cumsum([0, *map(len, rows)], dtype=np.int32)), values)
 
 
 class DatasetFormatError(ValueError):

@@ -16,8 +16,8 @@ vocabulary, for `model.vocab_mapping_path`) and `OUT/eagle3_export.json`. Memory
 from __future__ import annotations
 
 import argparse
-import sys
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -31,10 +31,6 @@ from eagle3data.trainers import SPECFORGE, ExportRefused, layout
 from eagle3data.vocab import read_mapping
 
 logger = get_logger(__name__)
-
-
-def sample_file(directory: Path, index: int) -> Path:
-    return directory / "hidden_states" / f"data_{index:08d}.ckpt"
 
 
 def export(dataset_path: str | Path, out: str | Path, model_path: str | Path, vocab_mapping: str | Path,
@@ -56,7 +52,7 @@ def export(dataset_path: str | Path, out: str | Path, model_path: str | Path, vo
                     "aux_hidden_state": states[:, lay.aux_slots, :].reshape(1, length, -1),
                     "hidden_state": norm(states[:, lay.final_slot, :]).unsqueeze(0),
                 },
-                sample_file(tmp, i),
+                tmp / "hidden_states" / f"data_{i:08d}.ckpt",
             )
         shutil.copyfile(vocab_mapping, tmp / "vocab_mapping.pt")
         manifest = write_manifest(tmp, ds, lay, d2t.numel(), trainer_version="0.2.0",

@@ -17,13 +17,12 @@ plus the Arrow writer's batch. `python -m eagle3data.export_speculators DATASET 
 from __future__ import annotations
 
 import argparse
-import sys
 import shutil
+import sys
 from pathlib import Path
 
 import datasets
 import numpy as np
-import torch
 from datasets.arrow_writer import ArrowWriter
 from safetensors.torch import save_file
 from tqdm import tqdm

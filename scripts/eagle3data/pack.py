@@ -10,6 +10,7 @@ the checksums validate recorded (a file changed since is refused), the counts (c
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import time
@@ -35,7 +36,7 @@ from eagle3data.schemas import (
     sample_states_contract,
     states_manifest_contract,
 )
-from eagle3data.states import checksum, load_states
+from eagle3data.states import DTYPES, checksum, load_states
 from eagle3data.store import atomic_path, atomic_write_text
 
 logger = get_logger(__name__)
@@ -58,19 +59,21 @@ class PackJob:
     batch_size: int = 32
 
 
-def _verified_states(sample_id: str, captures: pd.DataFrame) -> torch.Tensor:
-    """The sample's states, refused unless every capture's checksum is the one validate recorded."""
+def _verified_states(sample_id: str, captures: pd.DataFrame, out: torch.Tensor) -> None:
+    """Read the sample's states into `out`; refused unless every capture's checksum is the one validate
+    recorded."""
     path = captures["path"].iloc[0]
     expected = captures["checksum"].tolist()
     try:
-        states = load_states(path)
-        found = [checksum(states[:, slot, :]) for slot in captures["slot"]]
+        load_states(path, out)
+        found = [checksum(out[:, slot, :]) for slot in captures["slot"]]
     except Exception as exc:  # gone, truncated, reshaped since validate
         found = f"{type(exc).__name__}: {exc}"
     if found != expected:
         failure = Failure(sample_id, "checksums == validated checksums", show(expected), show(found), path)
-        raise BoundaryError(f"{failure}\nThe file changed after validate; re-check it: snakemake --forcerun validate")
-    return states
+        raise BoundaryError(
+            f"{failure}\nThe file changed after validate; re-check it: snakemake --forcerun validate"
+        )
 
 
 def _checked_shard(tok_path: str, states_path: str, quarantined_path: str, manifest_contract,
@@ -86,13 +89,14 @@ def _checked_shard(tok_path: str, states_path: str, quarantined_path: str, manif
     if not any(f.sample_id == "-" for f in found):  # every table has its columns
         found += validate(captures_contract, sample_states(manifest, tokenized), states_path)[1]
     if found:
+        files = [tok_path, states_path, quarantined_path]
         raise BoundaryError(summary(f"pack: shard {tok_path} is not what validate left", found,
-                                    len(tokenized) + len(quarantined), [tok_path, states_path, quarantined_path]))
+                                    len(tokenized) + len(quarantined), files))
     return tokenized, manifest, quarantined
 
 
 def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, dup_rows: list,
-                   batch_size: int, dtype: str):
+                   batch_size: int, meta: dict):
     captures = {sid: g.sort_values("slot") for sid, g in manifest.groupby("sample_id")}
     rows = []
     for row in tokenized.itertuples(index=False):
@@ -104,13 +108,17 @@ def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, d
         rows.append(row)
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        states = [_verified_states(r.sample_id, captures[r.sample_id]) for r in chunk]
+        lengths = [int(r.num_tokens) for r in chunk]
+        # The batch's states in one buffer, each sample read straight into its place: nothing to concatenate.
+        states = torch.empty(sum(lengths), len(meta["captures"]), meta["hidden_size"], dtype=DTYPES[meta["dtype"]])
+        for r, end, length in zip(chunk, itertools.accumulate(lengths), lengths):
+            _verified_states(r.sample_id, captures[r.sample_id], states[end - length : end])
         yield {
             "sample_id": [r.sample_id for r in chunk],
-            "input_ids": [list(map(int, r.input_ids)) for r in chunk],
-            "loss_mask": [list(map(int, r.loss_mask)) for r in chunk],
-            "seq_len": [int(r.num_tokens) for r in chunk],
-        }, fmt.states_array(states, dtype)
+            "input_ids": fmt.list_array([r.input_ids for r in chunk]),
+            "loss_mask": fmt.list_array([r.loss_mask for r in chunk]),
+            "seq_len": lengths,
+        }, fmt.states_array(states, lengths, meta["dtype"])
 
 
 def run(job: PackJob) -> dict:
@@ -132,8 +140,7 @@ def run(job: PackJob) -> dict:
         tokenized, manifest, quarantined = _checked_shard(*paths, manifest_contract, captures_contract)
         skipped.append(quarantined)
         writer = ArrowWriter(features=features, path=str(tmp / f"data-{i:05d}-of-{n:05d}.arrow"))
-        for columns, states in _shard_batches(tokenized, manifest, seen, dup_rows, job.batch_size,
-                                              meta["dtype"]):
+        for columns, states in _shard_batches(tokenized, manifest, seen, dup_rows, job.batch_size, meta):
             batch = _record_batch(columns, states, features)
             writer.write_table(batch)
             packed += batch.num_rows

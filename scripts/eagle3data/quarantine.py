@@ -22,7 +22,8 @@ from eagle3data.schemas import SkippedShard, check
 from eagle3data.store import STATES_SUFFIX, atomic_write_text
 
 
-def quarantine(found: list[Failure], tokenized: pd.DataFrame, paths: dict[str, str], directory: str) -> pd.DataFrame:
+def quarantine(found: list[Failure], tokenized: pd.DataFrame, paths: dict[str, str],
+               directory: str) -> pd.DataFrame:
     """Set aside the samples of `found`; return their SkippedShard rows."""
     by_sample: dict[str, list[Failure]] = {}
     for failure in found:

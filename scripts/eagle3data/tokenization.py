@@ -15,8 +15,11 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from eagle3data import conversations
 from eagle3data.conversations import UnsupportedInput, normalize_messages, sample_id
 from eagle3data.logs import get_logger
+from eagle3data.schemas import SkippedShard, TokenizedShard, check
+from eagle3data.store import atomic_path
 
 logger = get_logger(__name__)
 
@@ -83,6 +86,22 @@ def tokenize_conversation(tokenizer, messages: list[dict], tools=None) -> Tokeni
     ids += piece
     mask += [0] * len(piece)
     return Tokenized(ids, mask, ids == _encode(tokenizer, full))
+
+
+def tokenize_shard(tokenizer, conversations_path: str, rows: tuple[int, int], sequence: dict,
+                   tokenized_out: str, skipped_out: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The tokenize stage: input rows [start, stop) tokenized; both tables checked, written atomically."""
+    start, stop = rows
+    kept, skipped = tokenize_records(tokenizer, conversations.read_shard(conversations_path, start, stop),
+                                     sequence["max_seq_len"], sequence["min_seq_len"])
+    kept = check(TokenizedShard, kept, tokenized_out)
+    skipped = check(SkippedShard, skipped, skipped_out)
+    for path, frame in ((tokenized_out, kept), (skipped_out, skipped)):
+        with atomic_path(path) as tmp:
+            frame.to_parquet(tmp, index=False)
+    logger.info("rows %d..%d: %d samples, %d skipped %s", start, stop, len(kept), len(skipped),
+                skipped["reason"].value_counts().to_dict())
+    return kept, skipped
 
 
 def tokenize_records(

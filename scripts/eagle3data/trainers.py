@@ -11,8 +11,8 @@ layers, before any final norm). The trainers name the same states differently:
 
 Renaming ids is exact, and so is computing the post-norm state from the pre-norm one. Anything else is
 not, and `layout` refuses it, saying what the trainer wants and what the dataset holds: a layer the
-dataset did not capture (e.g. outputs of layers whose inputs were captured one layer off), no pre-norm
-final state, or a final state that was stored after the norm where the trainer needs it before.
+dataset did not capture (e.g. outputs of layers whose inputs were captured one layer off), or no
+pre-norm final state (none at all, or one stored after the norm: a norm cannot be undone).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class Trainer:
 
     def convention(self, num_hidden_layers: int) -> str:
         if self.id_offset == 0:
-            return f"id k = residual stream entering decoder layer k, vLLM's aux numbering, {num_hidden_layers} = final"
+            return (f"id k = residual stream entering decoder layer k, vLLM's aux numbering, "
+                    f"{num_hidden_layers} = final")
         return "id k = output of decoder layer k, SGLang's numbering"
 
     def id_range(self, num_hidden_layers: int) -> range:
@@ -78,10 +79,11 @@ def layout(trainer: Trainer, metadata: dict, layer_ids: list[int] | None = None)
             f"aux id {n}); the dataset holds only {_held(captures)}. Re-extract with "
             f"{{layer: {n - 1}, point: output}} in captures."
         )
-    if final.get("final_norm_applied", False) and trainer.final_state == "pre_norm":
+    if final.get("final_norm_applied", False):
         raise ExportRefused(
-            f"{trainer.name}: needs the final state BEFORE the final norm; slot {final['slot']} "
-            f"({final['name']}) holds it after the norm, which cannot be undone exactly."
+            f"{trainer.name}: expected the final state before the final norm, as the pipeline stores it; slot "
+            f"{final['slot']} ({final['name']}) holds it after the norm, which cannot be undone exactly (and "
+            "normed again would be normed twice)"
         )
     if layer_ids is None:
         layer_ids = _default_ids(trainer, captures, final)

@@ -64,7 +64,7 @@ def _tables(job: ValidateJob) -> tuple[pd.DataFrame, pd.DataFrame, list]:
 
 
 def _samples(job: ValidateJob, tokenized: pd.DataFrame, todo: pd.DataFrame) -> tuple[pd.DataFrame, list]:
-    """Each sample's file, then each capture of the files that hold the right tensors: (manifest, failures)."""
+    """Each sample's file, then each capture of the files holding the right tensors: (manifest, failures)."""
     expected = job.expected
     ids = dict(zip(tokenized["sample_id"], tokenized["input_ids"]))
     files = pd.DataFrame([file_facts(s, p, ids[s]) for s, p in zip(todo["sample_id"], todo["path"])],
@@ -81,7 +81,8 @@ def _samples(job: ValidateJob, tokenized: pd.DataFrame, todo: pd.DataFrame) -> t
     found += bad
     names = tuple(c.name for c in expected.captures)
     covered = tokenized[tokenized["sample_id"].isin(whole["sample_id"])]
-    found += validate(sample_states_contract(names), sample_states(manifest, covered), job.extract_manifest)[1]
+    per_sample = sample_states(manifest, covered)
+    found += validate(sample_states_contract(names), per_sample, job.extract_manifest)[1]
     return manifest, found
 
 

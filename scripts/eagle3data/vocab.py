@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-dir", required=True, help="writes token_freq.pt and vocab_mapping.pt here")
     args = parser.parse_args(argv)
     out = Path(args.out_dir)
-    write_vocab(args.dataset, args.model, args.draft_vocab_size, out / "token_freq.pt", out / "vocab_mapping.pt")
+    write_vocab(args.dataset, args.model, args.draft_vocab_size, out / "token_freq.pt",
+                out / "vocab_mapping.pt")
 
 
 if __name__ == "__main__":

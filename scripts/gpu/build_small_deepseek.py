@@ -1,7 +1,7 @@
 """A small DeepSeek-V3 (Kimi's MLA sizes and yarn rope, 16 heads, 8 experts) with saved random weights,
 plus the demo tokenizer: the GPU comparison with transformers and the TP1-vs-TP2 run use it.
 
-    python scripts/gpu/build_small_deepseek.py OUT_DIR TOKENIZER_DIR
+    python scripts/gpu/build_small_deepseek.py OUT_DIR TOKENIZER_DIR [--dense]   (--dense: no MoE layer)
 """
 
 import shutil
@@ -15,8 +15,10 @@ from eagle3data.demo import tiny_deepseek_v3_config
 from eagle3data.shapes import TOKENIZER_FILES
 
 
-def main(out: Path, tokenizer_dir: Path) -> None:
+def main(out: Path, tokenizer_dir: Path, dense: bool) -> None:
     config = tiny_deepseek_v3_config(vocab_size=2048, num_hidden_layers=8, hidden_size=1024)
+    if dense:
+        config.first_k_dense_replace = config.num_hidden_layers
     config.num_attention_heads = config.num_key_value_heads = 16  # divisible by TP 2
     config.q_lora_rank = 512
     torch.manual_seed(0)
@@ -33,4 +35,4 @@ def main(out: Path, tokenizer_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), "--dense" in sys.argv[3:])

@@ -32,11 +32,11 @@ case "$what" in
     ;;
   bench)
     step bench llama-8b
-    timeout 290 python3 -m eagle3data.bench_extract --shape llama-8b --model /tmp/llama-8b \
+    timeout 240 python3 -m eagle3data.bench_extract --shape llama-8b --model /tmp/llama-8b \
       --captures 2:input,16:input,29:input,31:output --prompts 512 --tokens 512 \
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
       --work /tmp/bench --out "$OUT/bench-llama8b.json" > /tmp/bench.log 2>&1
-    echo "bench: exit $?"; tail -n 3 /tmp/bench.log; grep -v "^(\|^INFO\|^WARNING" /tmp/bench.log | tail -n 400 > "$OUT/log-bench.txt"
+    echo "bench: exit $?"; tail -n 3 /tmp/bench.log; cp /tmp/bench.log "$OUT/log-bench.txt"
     rm -rf /tmp/bench
     ;;
   deepseek)
@@ -56,6 +56,13 @@ case "$what" in
       python3 scripts/gpu/check_states.py ranks results/gpu-ds-tp2/logs/extract/shard-00000.log | tee "$OUT/tp2-ranks.json"
     fi
     python3 scripts/gpu/check_states.py shapes gpu-ds-tp1 --hidden 1024 | tee "$OUT/ds-tp1.json"
+    ;;
+  dense)  # the small DeepSeek-V3 with every layer dense (no expert routing) against transformers
+    python3 scripts/gpu/build_small_deepseek.py /tmp/ds-dense resources/demo-tokenizer --dense
+    timeout 150 python3 -m eagle3data.crosscheck --model /tmp/ds-dense --captures 2:input,4:input,6:input,7:output \
+      --dtype bfloat16 --device cuda --tolerance 5e-2 --work /tmp/cc-dense > /tmp/cc-dense.log 2>&1
+    echo "crosscheck dense: exit $?"; grep '^{"model"' /tmp/cc-dense.log > "$OUT/crosscheck-dense.json"
+    grep '^{"model"' /tmp/cc-dense.log | cut -c1-400
     ;;
 esac
 done

@@ -1,0 +1,124 @@
+"""Benchmark figures 4, 5 and 7: tokenize, planning, and a whole run, on synthetic conversations.
+
+Conversations are the demo's (data/demo/conversations.jsonl: ShareGPT and OpenAI forms, long ones that
+truncate, ones without an assistant turn), repeated with a numbered variant of the first turn so that
+every one is distinct. Planning uses short synthetic conversations: only their count matters to it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pandas as pd
+import pyarrow.compute as pc
+import yaml
+
+from eagle3data.conversations import normalize_messages
+from eagle3data.tokenization import tokenize_shard
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "data" / "demo" / "conversations.jsonl"
+
+
+def write_conversations(path: Path, count: int) -> Path:
+    """`count` distinct demo-like conversations, one JSON object a line."""
+    demo = [json.loads(line) for line in DEMO.read_text().splitlines() if line.strip()]
+    with open(path, "w") as f:
+        for i in range(count):
+            record = json.loads(json.dumps(demo[i % len(demo)]))
+            turns = record.get("messages") or record.get("conversations")
+            key = "content" if "messages" in record else "value"
+            turns[0][key] = f"{turns[0][key]} (variant {i})"
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+def write_planning_input(path: Path, count: int) -> Path:
+    """`count` short conversations, written in blocks (planning only counts them)."""
+    line = '{{"id": "plan-{0}", "messages": [{{"role": "user", "content": "Question {0}?"}}, ' \
+           '{{"role": "assistant", "content": "Answer {0}."}}]}}\n'
+    with open(path, "w") as f:
+        for start in range(0, count, 10_000):
+            f.write("".join(line.format(i) for i in range(start, min(start + 10_000, count))))
+    return path
+
+
+def measure_tokenize(work: Path, model: str, conversations: int, sequence: dict) -> dict:
+    """Samples/s of the tokenize stage (read, render, mask, check, write) and of the bare tokenizer
+    encoding the same conversations' rendered texts in one batch; tokenizer loading not timed."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    source = write_conversations(work / "tokenize-input.jsonl", conversations)
+    began = time.perf_counter()
+    kept, skipped = tokenize_shard(tokenizer, str(source), (0, conversations), sequence,
+                                   str(work / "tokenized.parquet"), str(work / "skipped.parquet"))
+    stage = time.perf_counter() - began
+    texts = []
+    for line in source.read_text().splitlines():
+        try:
+            texts.append(tokenizer.apply_chat_template(normalize_messages(json.loads(line)), tokenize=False))
+        except Exception:  # the stage skips what cannot be rendered; the bare tokenizer gets the rest
+            continue
+    began = time.perf_counter()
+    tokenizer(texts, add_special_tokens=False)
+    bare = time.perf_counter() - began
+    return {"conversations": conversations, "kept": len(kept), "skipped": len(skipped),
+            "stage_seconds": stage, "stage_samples_per_second": conversations / stage,
+            "bare_texts": len(texts), "bare_seconds": bare, "bare_samples_per_second": len(texts) / bare}
+
+
+def snakemake(workdir: Path, config: Path, *args: str) -> tuple[float, subprocess.CompletedProcess]:
+    """Wall seconds of one real Snakemake run of this repository's workflow in `workdir`."""
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
+           "--configfile", str(config), *args]
+    began = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
+    seconds = time.perf_counter() - began
+    if proc.returncode != 0:
+        raise RuntimeError(f"snakemake failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return seconds, proc
+
+
+def measure_planning(work: Path, conversations: int) -> dict:
+    """`snakemake -n` with the production config (config/kimi-k2.5.yaml: shards of 1,000) on
+    `conversations` synthetic conversations, and on the demo's 23 for the fixed cost."""
+    work.mkdir(parents=True, exist_ok=True)
+    config = REPO / "config" / "kimi-k2.5.yaml"
+    source = write_planning_input(work / "conversations.jsonl", conversations)
+    seconds, proc = snakemake(work, config, "-n", "--config", f"input={source}", "run=bench-plan")
+    small, _ = snakemake(work, config, "-n", "--config", f"input={DEMO}", "run=bench-plan-small")
+    jobs = next((line.split()[1] for line in proc.stdout.splitlines() if line.startswith("total")), None)
+    return {"conversations": conversations, "seconds": seconds, "jobs": int(jobs) if jobs else None,
+            "seconds_for_23": small}
+
+
+def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict, captures: list[dict],
+                       cores: int) -> dict:
+    """One whole run (tokenize, extract, validate, pack, report) of demo-like conversations as one
+    shard (one engine start), the model already built: tokens packed per wall second."""
+    work.mkdir(parents=True, exist_ok=True)
+    from eagle3data.model_info import read_model_info
+
+    info = read_model_info(model)
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config.update(run="bench-e2e", input=str(write_conversations(work / "conversations.jsonl", conversations)),
+                  shard_size=conversations, captures=captures)
+    config["model"].update(path=str(Path(model).resolve()), build_demo=False, hidden_size=info.hidden_size,
+                           num_hidden_layers=info.num_hidden_layers)
+    config["engine"].update(engine)
+    (work / "config.yaml").write_text(yaml.safe_dump(config))
+    seconds, _ = snakemake(work, work / "config.yaml", "--cores", str(cores))
+    run = work / "results" / "bench-e2e"
+    tokens = int(pc.sum(datasets.load_from_disk(str(run / "dataset")).data.table["seq_len"]).as_py())
+    counts = json.loads((run / "dataset.counts.json").read_text())
+    rules = {}
+    for tsv in sorted((run / "benchmarks").rglob("*.tsv")):
+        rules[str(tsv.relative_to(run / "benchmarks"))] = float(pd.read_csv(tsv, sep="\t")["s"].iloc[0])
+    return {"conversations": conversations, "packed": counts["packed"], "tokens": tokens, "seconds": seconds,
+            "tokens_per_second": tokens / seconds, "rule_seconds": rules, "cores": cores}

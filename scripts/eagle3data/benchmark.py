@@ -1,0 +1,214 @@
+r"""Every stage measured against its own limit, in one run: `python -m eagle3data.benchmark`.
+
+Each figure is a ratio (or, for planning, seconds) of a stage against its reference, both measured in
+the same run on the same data. Prints, last, one line per figure (number, name, value, goal, PASS /
+FAIL, or `-` where the issue sets no goal), and writes every measurement as JSON (`--out`). See
+docs/benchmarks.md for what each figure measures and how.
+
+    python -m eagle3data.benchmark --quick --out bench.json          # a few minutes on 2 cores
+    python -m eagle3data.benchmark --out bench.json                  # the full sizes
+    python -m eagle3data.benchmark --figures 1,7 --device cuda --model DIR --captures 2:input,... \
+        --engine load_format=dummy                                   # extraction on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from eagle3data.crosscheck import parse_capture_arg, parse_engine_args
+
+DEMO_MODEL = "resources/demo-model"
+DEMO_CAPTURES = "2:input,4:input,5:input,7:output"
+NAMES = {"1": "extract", "7": "end_to_end", "2": "validate", "3": "pack", "3m": "pack_memory", "4": "tokenize",
+         "5": "planning", "6": "storage"}  # the issue's order; 3m is pack's memory
+ORDER = tuple(NAMES)
+
+
+@dataclass
+class Scale:
+    plan_conversations: int
+    tokenize_conversations: int
+    io_samples_per_shard: int  # Kimi-sized samples; 1x is one shard, 4x four
+    io_repeats: int
+    extract_prompts: int
+    extract_tokens: int
+    e2e_conversations: int
+
+
+SCALES = {
+    "quick": Scale(1_000_000, 1_000, 4, 1, 16, 256, 64),
+    "full": Scale(1_000_000, 5_000, 16, 3, 64, 512, 512),
+}
+
+
+@dataclass
+class Figure:
+    figure: str
+    name: str
+    value: float | None
+    goal: str  # "" where the issue sets none
+    passed: bool | None
+    detail: str
+
+    def line(self) -> str:
+        value = "-" if self.value is None else f"{self.value:.4g}"
+        verdict = "-" if self.passed is None else ("PASS" if self.passed else "FAIL")
+        return (f"figure {self.figure:<2} {self.name:<11} {value:>8}  goal {self.goal or 'none':<8} "
+                f"{verdict:<4}  {self.detail}")
+
+
+def judged(figure: str, name: str, value: float, goal: str, detail: str) -> Figure:
+    """A figure against its goal, written `>= x`, `<= x` or `< x`."""
+    op, bound = goal.split()
+    passed = {">=": value >= float(bound), "<=": value <= float(bound), "<": value < float(bound)}[op]
+    return Figure(figure, name, value, goal, passed, detail)
+
+
+def run_child(cmd: list[str], log: Path) -> None:
+    """A measuring subprocess whose output goes to `log`; raises naming the log when it fails."""
+    with open(log, "w") as f:
+        if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:4])} ... failed; see {log}")
+
+
+def extract_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
+    """Figure 1: eagle3data.bench_extract (pipeline extract vs bare prefill of the same engine)."""
+    out = work / "extract.json"
+    cmd = [sys.executable, "-m", "eagle3data.bench_extract", "--model", args.model, "--device", args.device,
+           "--captures", args.captures, "--prompts", str(scale.extract_prompts),
+           "--tokens", str(scale.extract_tokens), "--work", str(work / "extract"), "--out", str(out)]
+    run_child(cmd + (["--engine", *args.engine] if args.engine else []), work / "extract.log")
+    result = json.loads(out.read_text())
+    e, b = result["extract"], result["bare"]
+    goal = ">= 0.95" if args.device == "cuda" else ">= 0.8"
+    return result, [judged("1", "extract", result["figures"]["extract_over_bare"], goal,
+                           f"extract {e['tokens_per_second']:.0f} tok/s / bare prefill "
+                           f"{b['tokens_per_second']:.0f} tok/s ({result['prompts']} x {result['tokens_per_prompt']} "
+                           f"tokens); bare at {result['figures']['bare_over_matmul']:.3f} of a bf16 matmul")]
+
+
+def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
+    """Figure 7: a whole run's packed tokens per wall second / bare prefill tokens/s (figure 1's)."""
+    from eagle3data.bench_stages import measure_end_to_end
+
+    bare_tps = measured["extract"]["bare"]["tokens_per_second"]
+
+    engine = {"device": args.device, **parse_engine_args(args.engine)}
+    result = measure_end_to_end(work / "e2e", args.model, scale.e2e_conversations, engine,
+                                parse_capture_arg(args.captures), os.cpu_count())
+    return result, [Figure("7", "end_to_end", result["tokens_per_second"] / bare_tps, "", None,
+                           f"{result['tokens']} tokens of {result['conversations']} conversations in "
+                           f"{result['seconds']:.1f} s = {result['tokens_per_second']:.0f} tok/s / bare prefill "
+                           f"{bare_tps:.0f} tok/s (engine start included)")]
+
+
+def io_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
+    """Figures 2, 3 and 6 on Kimi-sized synthetic samples (eagle3data.bench_io)."""
+    from eagle3data.bench_io import measure
+
+    r = measure(work / "io", 1, scale.io_samples_per_shard, 512, scale.io_repeats)
+    rss, gb = r["pack_peak_rss_mib"], 1e9
+    return r, [
+        judged("2", "validate", r["validate_bytes_per_second"] / r["read_bytes_per_second"], ">= 0.5",
+               f"validate {r['validate_bytes_per_second'] / gb:.2f} GB/s / read {r['read_bytes_per_second'] / gb:.2f}"
+               f" GB/s from disk, {r['shape']['files']} files of 4 x [512, 7168] bf16 (from page cache: "
+               f"{r['warm']['validate_bytes_per_second'] / gb:.2f} / {r['warm']['read_bytes_per_second'] / gb:.2f})"),
+        judged("3", "pack", r["pack_bytes_per_second"] / r["cp_bytes_per_second"], ">= 0.5",
+               f"pack {r['pack_bytes_per_second'] / gb:.2f} GB/s / cp {r['cp_bytes_per_second'] / gb:.2f} GB/s "
+               f"of the same {r['shape']['bytes'] / gb:.2f} GB"),
+        judged("3m", "pack_memory", rss["4x"] / rss["1x"], "<= 1.3",
+               f"peak RSS packing {r['shape']['shards_4x']} shards {rss['4x']:.0f} MiB / "
+               f"{r['shape']['shards_1x']} shard {rss['1x']:.0f} MiB (imports alone {rss['before_pack']:.0f} MiB)"),
+        judged("6", "storage", r["dataset_bytes_per_token"] / r["raw_state_bytes_per_token"], "<= 1.01",
+               f"{r['dataset_bytes_per_token']:.1f} bytes on disk per token / {r['raw_state_bytes_per_token']} "
+               f"(4 captures x 7168 x 2)"),
+    ]
+
+
+def tokenize_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
+    from eagle3data.bench_stages import measure_tokenize
+
+    r = measure_tokenize(work, args.model, scale.tokenize_conversations, {"max_seq_len": 512, "min_seq_len": 8})
+    return r, [Figure("4", "tokenize", r["stage_samples_per_second"] / r["bare_samples_per_second"], "", None,
+                      f"tokenize stage {r['stage_samples_per_second']:.0f} samples/s / bare tokenizer "
+                      f"{r['bare_samples_per_second']:.0f} texts/s ({r['conversations']} conversations)")]
+
+
+def planning_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
+    from eagle3data.bench_stages import measure_planning
+
+    r = measure_planning(work / "plan", scale.plan_conversations)
+    return r, [judged("5", "planning", r["seconds"], "< 30",
+                      f"snakemake -n: {r['conversations']:,} conversations, {r['jobs']} jobs, "
+                      f"{r['seconds']:.1f} s (23 conversations: {r['seconds_for_23']:.1f} s)")]
+
+
+GROUPS = {  # name: (figures it yields, function(args, scale, work, measured so far)), in order
+    "planning": (("5",), planning_figures),
+    "tokenize": (("4",), tokenize_figures),
+    "io": (("2", "3", "3m", "6"), io_figures),
+    "extract": (("1",), extract_figures),
+    "end_to_end": (("7",), end_to_end_figures),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller sizes: a few minutes on 2 cores")
+    parser.add_argument("--figures", default=",".join(ORDER), help="subset, e.g. 1,7 (3m: pack memory)")
+    parser.add_argument("--model", default=DEMO_MODEL, help="for 1, 4, 7; the demo model is built if missing")
+    parser.add_argument("--captures", default=DEMO_CAPTURES, help="for 1 and 7")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="for 1 and 7")
+    parser.add_argument("--engine", nargs="*", default=[], help="engine settings KEY=VALUE, for 1 and 7")
+    parser.add_argument("--work", default="results/benchmark", help="scratch directory (emptied first)")
+    parser.add_argument("--out", help="write the JSON here")
+    args = parser.parse_args(argv)
+    wanted = set(args.figures.split(","))
+    scale = SCALES["quick" if args.quick else "full"]
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    if not Path(args.model, "config.json").is_file() and args.model == DEMO_MODEL:
+        from eagle3data.demo import build_demo_model
+        from eagle3data.bench_stages import DEMO
+
+        build_demo_model(DEMO, Path(args.model))
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),
+              "python": platform.python_version(), "scale": asdict(scale), "args": vars(args),
+              "measurements": {}, "errors": {}}
+    figures: list[Figure] = []
+    needed = wanted | ({"1"} if "7" in wanted else set())
+    for group, (yields, measure) in GROUPS.items():
+        if not needed & set(yields):
+            continue
+        print(f"benchmark: measuring {group} ...", file=sys.stderr, flush=True)
+        began = time.perf_counter()
+        try:
+            report["measurements"][group], found = measure(args, scale, work, report["measurements"])
+        except Exception as exc:  # one broken group must not cost the others' figures
+            report["errors"][group] = traceback.format_exc()
+            found = [Figure(f, NAMES[f], None, "", False, f"{group} failed: {type(exc).__name__}: {exc}"[:300])
+                     for f in yields]
+        figures += [f for f in found if f.figure in wanted]
+        print(f"benchmark: {group} took {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
+    figures.sort(key=lambda f: ORDER.index(f.figure))
+    report["figures"] = [asdict(f) for f in figures]
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    for f in figures:
+        print(f.line())
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
