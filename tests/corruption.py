@@ -3,7 +3,8 @@
 Shared by the corruption catalogue and the validation tests. A re-run removes the corrupted shards'
 validated outputs and the packed dataset first: validate then re-checks exactly those shards (the
 states store is not a declared input, so nothing else would make it look again), and any dataset found
-afterwards was packed by that re-run.
+afterwards was packed by that re-run. Re-runs judge by file times only (`ONLY_MTIME`): a copied run
+has no metadata, and a script edited since the session's demo run must not re-extract every shard.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from conftest import demo_config, run_snakemake
 from safetensors.torch import load_file, save_file
 
 RUN = "results/demo"
+ONLY_MTIME = ("--rerun-triggers", "mtime")
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ def rerun(run: Path, *shards: str, policy: str = "fail") -> subprocess.Completed
             (run / RUN / f"validated/shard-{shard}.{suffix}").unlink(missing_ok=True)
     shutil.rmtree(run / RUN / "dataset", ignore_errors=True)
     (run / RUN / "dataset.counts.json").unlink(missing_ok=True)
-    return run_snakemake(run, config=demo_config(validation={"policy": policy}), check=False)
+    return run_snakemake(run, *ONLY_MTIME, config=demo_config(validation={"policy": policy}), check=False)
 
 
 def validate_log(run: Path, shard: str) -> str:

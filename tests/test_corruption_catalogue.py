@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 from conftest import run_snakemake
-from corruption import RUN, assert_refused, failure_line, packed_ids, rerun, samples, table
+from corruption import RUN, ONLY_MTIME, assert_refused, failure_line, packed_ids, rerun, samples, table
 
 pytestmark = pytest.mark.slow
 
@@ -100,10 +100,11 @@ def test_07_a_truncated_or_unreadable_file(demo_copy):
         f.truncate(truncated.path.stat().st_size // 2)
     garbage.path.write_bytes(os.urandom(4096))
     empty.path.write_bytes(b"")
+    unreadable = "'SafetensorError: Error while deserializing header"
     assert_refused(rerun(demo_copy, "00001"), demo_copy, "00001", [
-        (truncated.sample_id, "read_error == ''", "'SafetensorError: Error while deserializing header"),
-        (garbage.sample_id, "read_error == ''", "'SafetensorError: Error while deserializing header"),
-        (empty.sample_id, "read_error == ''", "'SafetensorError: Error while deserializing header: header too"),
+        (truncated.sample_id, "read_error == ''", unreadable),
+        (garbage.sample_id, "read_error == ''", unreadable),
+        (empty.sample_id, "read_error == ''", f"{unreadable}: header too small"),
     ])
 
 
@@ -201,7 +202,7 @@ def test_13_a_file_changed_after_validation_is_refused_by_pack(demo_copy):
     states = sample.states()["hidden_states"].clone()
     states[3, 1, 4] = float("nan")
     sample.with_states(states)
-    proc = run_snakemake(demo_copy, "--forcerun", "pack", check=False)
+    proc = run_snakemake(demo_copy, "--forcerun", "pack", *ONLY_MTIME, check=False)
     assert proc.returncode != 0 and "Error in rule pack" in proc.stdout + proc.stderr
     log = (demo_copy / RUN / "logs/pack.log").read_text()
     line = failure_line(log, sample.sample_id, "checksums == validated checksums")

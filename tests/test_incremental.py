@@ -58,9 +58,11 @@ def run_killed_at(workdir: Path, point: str) -> None:
     killed snakemake needs before the next run."""
     cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2",
            "--configfile", str(workdir / "test-config.yaml")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=workdir, start_new_session=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", KILL_ENV: point})
-    assert proc.returncode == -signal.SIGKILL, f"not killed at {point}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", KILL_ENV: point}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=workdir, env=env,
+                          start_new_session=True)
+    log = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == -signal.SIGKILL, f"not killed at {point} (returncode {proc.returncode}):\n{log}"
     run_snakemake(workdir, "--unlock")
 
 

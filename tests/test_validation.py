@@ -18,7 +18,7 @@ import pyarrow as pa
 import pytest
 import torch
 from conftest import demo_config, run_snakemake, with_defaults
-from corruption import RUN, failure_line, packed_ids, rerun, samples, table, validate_log
+from corruption import RUN, ONLY_MTIME, failure_line, packed_ids, rerun, samples, table, validate_log
 
 from eagle3data.layers import parse_captures
 from eagle3data.states import Expected, header_problems
@@ -88,11 +88,11 @@ def test_one_run_lists_every_failure_then_quarantine_packs_the_rest_and_the_next
         assert (quarantine / f"{sample.sample_id}.safetensors").exists() == (sample is not gone)
         failure_line(validate_log(demo_copy, sample.shard), sample.sample_id, check)
     assert check_dataset(demo_copy / RUN / "dataset").returncode == 0
-    plan = run_snakemake(demo_copy, "-n").stdout  # the reason files are newer inputs of extract
+    plan = run_snakemake(demo_copy, "-n", *ONLY_MTIME).stdout  # reason files: newer inputs of extract
     assert re.search(r"^extract\s+2$", plan, re.M) and re.search(r"^validate\s+2$", plan, re.M), plan
 
     # The next run recomputes exactly the quarantined samples and packs everything again.
-    proc = run_snakemake(demo_copy, check=False)
+    proc = run_snakemake(demo_copy, *ONLY_MTIME, check=False)
     assert proc.returncode == 0, proc.stderr[-5000:]
     for shard in bad:
         stats = json.loads((demo_copy / RUN / f"extract/shard-{shard}.stats.json").read_text())
@@ -121,7 +121,7 @@ def test_pack_rechecks_the_validated_manifest(demo_copy):
         manifest.loc[manifest.index[manifest["sample_id"] == wrong_bytes.sample_id][0], "nbytes"] += 2
         manifest.drop(manifest.index[(manifest["sample_id"] == lost_capture.sample_id)
                                      & (manifest["capture"] == "layer7_output")], inplace=True)
-    proc = run_snakemake(demo_copy, check=False)
+    proc = run_snakemake(demo_copy, *ONLY_MTIME, check=False)
     assert proc.returncode != 0 and "Error in rule pack" in proc.stdout + proc.stderr
     log = (demo_copy / RUN / "logs/pack.log").read_text()
     assert re.search(r": 2 of 8 sample\(s\) failed", log), log[-3000:]

@@ -89,9 +89,8 @@ def run(job: ExtractJob) -> dict:
         if failed:
             failed_samples.write(job.manifest, job.tokenized, failed, len(shard), len(manifest))
     if failed:
-        raise failed_samples.SampleFailures(
-            failed_samples.describe(job.tokenized, failed, len(shard), failed_samples.record_path(job.manifest))
-        )
+        message = failed_samples.describe(job.manifest, job.tokenized, failed, len(shard))
+        raise failed_samples.SampleFailures(message)
     failed_samples.clear(job.manifest)
     manifest += [(r.sample_id, r.num_tokens, str(sample_path(job.store_dir, r.sample_id)), "computed")
                  for r in todo]

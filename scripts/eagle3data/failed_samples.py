@@ -27,16 +27,18 @@ def record_path(manifest: str | Path) -> Path:
     return manifest.with_name(manifest.stem + SUFFIX)
 
 
-def describe(shard: str, failed: dict[str, str], samples: int, record: Path) -> str:
+def describe(manifest: str | Path, shard: str, failed: dict[str, str], samples: int) -> str:
+    """The job's error: how many of the shard's samples failed, where they are recorded, each reason."""
     lines = [
-        f"shard {shard}: {len(failed)} of {samples} sample(s) failed (recorded in {record}); the "
-        "other samples' states are kept in the store and reused by the next run, which computes "
-        "only these (`snakemake retry_failed` retries nothing else):"
+        f"shard {shard}: {len(failed)} of {samples} sample(s) failed (recorded in "
+        f"{record_path(manifest)}); the other samples' states are kept in the store and reused by the "
+        "next run, which computes only these (`snakemake retry_failed` retries nothing else):"
     ]
     return "\n".join(lines + [f"  {reason}" for reason in failed.values()])
 
 
 def write(manifest: str | Path, shard: str, failed: dict[str, str], samples: int, reused: int) -> None:
+    """Record `failed` (sample id -> reason) of the shard whose manifest is `manifest`, atomically."""
     doc = {
         "shard": shard,
         "samples": samples,
@@ -47,6 +49,7 @@ def write(manifest: str | Path, shard: str, failed: dict[str, str], samples: int
 
 
 def clear(manifest: str | Path) -> None:
+    """The shard completed: its record, if any, no longer holds."""
     record_path(manifest).unlink(missing_ok=True)
 
 

@@ -28,6 +28,7 @@ from eagle3data.card import write_card
 from eagle3data.check_dataset import check_dataset
 from eagle3data.failures import BoundaryError, Failure, show, summary, validate
 from eagle3data.logs import get_logger
+from eagle3data.overlap import ahead
 from eagle3data.schemas import (
     SkippedShard,
     TokenizedShard,
@@ -40,6 +41,9 @@ from eagle3data.states import DTYPES, checksum, load_states
 from eagle3data.store import atomic_path, atomic_write_text
 
 logger = get_logger(__name__)
+# A batch holds at most PackJob.batch_size samples and about this many bytes of states (one Kimi-K2.5
+# sample is 29 MB): two batches are in memory at a time, one written while the next is read.
+BATCH_BYTES = 64 << 20
 
 
 class ReconciliationError(RuntimeError):
@@ -95,6 +99,19 @@ def _checked_shard(tok_path: str, states_path: str, quarantined_path: str, manif
     return tokenized, manifest, quarantined
 
 
+def _chunks(rows: list, max_rows: int, max_tokens: int):
+    """Consecutive runs of rows, each at most `max_rows` rows and `max_tokens` tokens (or one row)."""
+    chunk, tokens = [], 0
+    for row in rows:
+        if chunk and (len(chunk) == max_rows or tokens + row.num_tokens > max_tokens):
+            yield chunk
+            chunk, tokens = [], 0
+        chunk.append(row)
+        tokens += int(row.num_tokens)
+    if chunk:
+        yield chunk
+
+
 def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, dup_rows: list,
                    batch_size: int, meta: dict):
     captures = {sid: g.sort_values("slot") for sid, g in manifest.groupby("sample_id")}
@@ -106,11 +123,12 @@ def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, d
             continue
         seen.add(row.sample_id)
         rows.append(row)
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
+    dtype = DTYPES[meta["dtype"]]
+    token_bytes = len(meta["captures"]) * meta["hidden_size"] * dtype.itemsize
+    for chunk in _chunks(rows, batch_size, BATCH_BYTES // token_bytes):
         lengths = [int(r.num_tokens) for r in chunk]
         # The batch's states in one buffer, each sample read straight into its place: nothing to concatenate.
-        states = torch.empty(sum(lengths), len(meta["captures"]), meta["hidden_size"], dtype=DTYPES[meta["dtype"]])
+        states = torch.empty(sum(lengths), len(meta["captures"]), meta["hidden_size"], dtype=dtype)
         for r, end, length in zip(chunk, itertools.accumulate(lengths), lengths):
             _verified_states(r.sample_id, captures[r.sample_id], states[end - length : end])
         yield {
@@ -140,11 +158,13 @@ def run(job: PackJob) -> dict:
         tokenized, manifest, quarantined = _checked_shard(*paths, manifest_contract, captures_contract)
         skipped.append(quarantined)
         writer = ArrowWriter(features=features, path=str(tmp / f"data-{i:05d}-of-{n:05d}.arrow"))
-        for columns, states in _shard_batches(tokenized, manifest, seen, dup_rows, job.batch_size, meta):
+        # The next batch's files are read and verified in a thread while this batch is written.
+        for columns, states in ahead(_shard_batches(tokenized, manifest, seen, dup_rows, job.batch_size, meta)):
             batch = _record_batch(columns, states, features)
             writer.write_table(batch)
             packed += batch.num_rows
             nbytes += batch.nbytes
+            del columns, states, batch  # before the next is read: two batches in memory at most
         writer.finalize()
         writer.close()
     counts = _reconcile(job.conversations_in, packed, skipped + [pd.DataFrame(dup_rows, columns=[
