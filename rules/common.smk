@@ -23,8 +23,8 @@ GPUS_PER_EXTRACT = (
 )
 
 
-# `gpu` counts the GPUs of one node: it caps a local run (--resources gpu=8, profiles/default) and each
-# SLURM group job, never a cluster run as a whole (SLURM hands out the GPUs of all its nodes).
+# `gpu` counts the GPUs of one node: it caps a local run (--resources gpu=8, profiles/default), never a
+# cluster run as a whole (SLURM hands out the GPUs of all its nodes; the cap would serialise them).
 resource_scopes:
     gpu="local",
 

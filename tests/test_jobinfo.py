@@ -1,4 +1,4 @@
-"""Each extract job claims GPUs of its own when it sees more than it asked for (local runs, group jobs).
+"""Each extract job claims GPUs of its own when it sees more than it asked for (local runs).
 
 Real processes, as Snakemake starts jobs: each calls `start_job` and reports the CUDA_VISIBLE_DEVICES it
 ended with. GPU names are fresh UUID-style ids, so the lock files never meet those of real jobs.

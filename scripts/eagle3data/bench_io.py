@@ -30,12 +30,12 @@ from safetensors.torch import save_file
 
 from eagle3data.schemas import ExtractManifest, SkippedShard, check
 from eagle3data.settings import Settings
+from eagle3data.states import READ_CHUNK
 from eagle3data.shapes import write_shape
 from eagle3data.store import atomic_path, sample_path
 from eagle3data.synthetic import random_prompts, write_token_shard
 
 REPO = Path(__file__).resolve().parents[2]
-READ_CHUNK = 8 << 20
 
 
 @dataclass
@@ -90,7 +90,7 @@ def one_shard(shards: list[Shard], work: Path) -> Shard:
     shard = Shard(*(str(work / f"all{suffix}") for suffix in (
         ".parquet", ".extract.parquet", ".skipped.parquet", ".states.parquet", ".quarantined.parquet")),
         files=files_of(shards))
-    for field in ("tokenized", "extract_manifest", "skipped"):
+    for field in ("tokenized", "extract_manifest"):
         frame = pd.concat([pd.read_parquet(getattr(s, field)) for s in shards], ignore_index=True)
         frame.to_parquet(getattr(shard, field), index=False)
     return shard
@@ -117,7 +117,7 @@ def drop_from_page_cache(paths: list[str]) -> None:
 
 def read_files(paths: list[str]) -> float:
     """Seconds to read the files into one reused buffer: the reference for validate."""
-    buffer = memoryview(bytearray(READ_CHUNK))
+    buffer = memoryview(bytearray(READ_CHUNK))  # the chunk load_states reads with
     began = time.perf_counter()
     for path in paths:
         with open(path, "rb", buffering=0) as f:

@@ -61,7 +61,7 @@ class Figure:
     detail: str
 
     def line(self) -> str:
-        value = "-" if self.value is None else f"{self.value:.4g}"
+        value = "-" if self.value is None else f"{self.value:.4f}"
         verdict = "-" if self.passed is None else ("PASS" if self.passed else "FAIL")
         return (f"figure {self.figure:<2} {self.name:<11} {value:>8}  goal {self.goal or 'none':<8} "
                 f"{verdict:<4}  {self.detail}")

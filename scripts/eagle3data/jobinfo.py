@@ -1,12 +1,13 @@
 """Where a job runs: its own GPUs claimed, and one log line naming node, GPUs and SLURM job id.
 
 Data-parallel engines are several extract jobs side by side, each asking for `gpu=<its GPU count>`.
-A plain SLURM job gets exactly its GPUs in CUDA_VISIBLE_DEVICES. Snakemake's local executor (and a
-Snakemake group job bundling several extract jobs) only counts `gpu` resources, so every job would see
+A SLURM job submitted by profiles/slurm sees exactly its GPUs in CUDA_VISIBLE_DEVICES. Snakemake's
+local executor (on a workstation, or inside one `salloc`/`sbatch` allocation of a whole node) only
+counts `gpu` resources (`--resources gpu=8`) and sets no CUDA_VISIBLE_DEVICES, so every job would see
 every GPU and all engines would start on the first one. `start_job` therefore claims the job's GPUs
 among those visible, with one lock file per GPU held until the process exits, and narrows
 CUDA_VISIBLE_DEVICES to them. Locks are scoped to the node and the SLURM allocation (or "local"); a job
-that sees exactly its GPUs (a plain SLURM job) takes no lock.
+that sees exactly its GPUs takes no lock.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def start_job(gpus: int) -> None:
     """Claim `gpus` GPUs for this job (none: nothing to claim) and log node, GPUs and SLURM job id."""
     slurm_job = os.environ.get("SLURM_JOB_ID")
     visible = visible_gpus(slurm_job) if gpus else []
-    if len(visible) != gpus:  # a local run or a group job: more GPUs visible than this job asked for
+    if len(visible) != gpus:  # a local run: more GPUs visible than this job asked for
         scope = LOCK_ROOT / f"{socket.gethostname()}-{slurm_job or 'local'}"
         claimed = claim_gpus(gpus, visible, scope)
         _held.update(claimed)

@@ -1,0 +1,35 @@
+"""The benchmark command in its smallest mode: one line per figure, last, and the same figures as JSON.
+
+Timings are never asserted (this machine is shared and noisy); only that every figure was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from eagle3data.benchmark import NAMES
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_benchmark_prints_and_writes_every_figure(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3data.benchmark", "--quick", "--work", str(tmp_path / "work"),
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    lines = proc.stdout.strip().splitlines()[-len(NAMES):]
+    assert [line.split()[:3] for line in lines] == [["figure", f, name] for f, name in NAMES.items()]
+    for line in lines:
+        assert line.split()[3] != "-" and ("PASS" in line or "FAIL" in line or "goal none" in line)
+    report = json.loads(out.read_text())
+    assert [(f["figure"], f["name"]) for f in report["figures"]] == list(NAMES.items())
+    assert all(isinstance(f["value"], float) for f in report["figures"]) and not report["errors"]
+    assert set(report["measurements"]) == {"planning", "tokenize", "io", "extract", "end_to_end"}
