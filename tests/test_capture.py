@@ -20,6 +20,7 @@ import torch
 from conftest import with_defaults
 from safetensors.torch import load_file
 
+from eagle3data.crosscheck import load_reference_model, reference_states
 from eagle3data.layers import parse_captures
 from eagle3data.store import sample_path
 
@@ -34,7 +35,8 @@ RUNNER = textwrap.dedent(
     """
     import json, sys
     from eagle3data.extract import ExtractJob, run
-    from eagle3data.layers import parse_captures
+    from eagle3data.crosscheck import load_reference_model, reference_states
+from eagle3data.layers import parse_captures
     from eagle3data.model_info import read_model_info
     from eagle3data.states import Expected
 
@@ -78,35 +80,19 @@ def extract(tmp_path, model, prompts, captures, **engine) -> tuple[dict, str]:
     return {sid: s["hidden_states"] for sid, s in states.items()}, proc.stderr
 
 
-def reference_states(model_dir, ids: list[int], captures) -> torch.Tensor:
-    """transformers' states for the same captures: hidden_states[k] for inputs, a hook on the last
-    layer for its pre-norm output. Also checks that hidden_states[N] is that output after the norm."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    n_layers = model.config.num_hidden_layers
-    last = {}
-    hook = model.model.layers[-1].register_forward_hook(
-        lambda mod, inp, out: last.__setitem__("out", out[0] if isinstance(out, tuple) else out)
-    )
-    with torch.no_grad():
-        hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-        hook.remove()
-        pre_norm = last["out"][0]
-        assert torch.allclose(model.model.norm(pre_norm), hs[n_layers][0], atol=1e-5)
-    wanted = []
-    for c in parse_captures(captures, n_layers):
-        index = c.hf_hidden_states_index(n_layers)
-        wanted.append(pre_norm if index is None else hs[index][0])
-    return torch.stack(wanted, dim=1)
-
-
-def assert_matches(model, prompts, got, captures):
+def assert_matches(model_dir, prompts, got, captures):
+    model = load_reference_model(str(model_dir), "cpu")
+    parsed = parse_captures(captures, model.config.num_hidden_layers)
     for sid, ids in prompts.items():
-        want = reference_states(model, ids, captures)
+        want = reference_states(model, ids, parsed)
         assert got[sid].shape == want.shape, sid
         diff = (got[sid].float() - want).abs().max().item()
         assert diff <= 1e-4, f"{sid}: max abs difference {diff} to transformers"
+    # The last capture is the pre-norm output: transformers' hidden_states[N] is it after the norm.
+    with torch.no_grad():
+        ids = next(iter(prompts.values()))
+        final = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+        assert torch.allclose(model.model.norm(got[next(iter(prompts))][:, -1].float()), final, atol=1e-4)
 
 
 @pytest.mark.slow

@@ -224,6 +224,7 @@ def test_a_shorter_max_seq_len_recomputes_exactly_the_samples_it_changes(referen
     longer = set(lengths[lengths > 128].index)
     assert 0 < len(longer) < len(lengths)
     assert {s for s, status in statuses(workdir).items() if status == "computed"} == longer
+    assert f"({len(longer)} stored files no longer matched their samples" in extract_log(workdir)
     after = stored(workdir)
     assert_unchanged({s: v for s, v in before.items() if s not in longer}, after)
     for sample_id in longer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import select
+import socket
 import subprocess
 import sys
 import uuid
@@ -47,8 +48,16 @@ def release(job: subprocess.Popen) -> str:
     return log
 
 
-def test_side_by_side_jobs_get_different_gpus_and_wait_for_busy_ones():
-    gpus = [f"GPU-{uuid.uuid4()}" for _ in range(3)]  # fresh names: no lock is shared with real jobs
+@pytest.fixture
+def gpus():
+    """Three fresh GPU names (no lock is shared with real jobs); their lock files go afterwards."""
+    names = [f"GPU-{uuid.uuid4()}" for _ in range(3)]
+    yield names
+    for name in names:
+        (jobinfo.LOCK_ROOT / f"{socket.gethostname()}-local" / f"gpu-{name}").unlink(missing_ok=True)
+
+
+def test_side_by_side_jobs_get_different_gpus_and_wait_for_busy_ones(gpus):
     first, second = start(1, gpus), start(2, gpus)
     a, b = claimed(first), claimed(second)
     assert len(a) == 1 and len(b) == 2 and set(a) | set(b) == set(gpus)

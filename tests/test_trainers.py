@@ -71,7 +71,8 @@ def test_dataset_card_states_each_trainers_settings(demo_run):
 def test_exports_are_rules_outside_the_default_target_until_enabled(demo_run, exported):
     assert not (demo_run / RUN / "export").exists()
     run, log = exported
-    assert set(re.findall(r"\(Rule: (\w+)\)", log)) == {"export_speculators", "export_specforge", "all"}
+    ran = set(re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", log))
+    assert ran == {"export_speculators", "export_specforge", "all"}, log[-4000:]
     for name, ids in (("speculators", [2, 4, 5]), ("specforge", [1, 3, 4])):
         manifest = json.loads((run / RUN / "export" / name / "eagle3_export.json").read_text())
         assert (manifest["samples"], manifest["layer_ids"], manifest["aux_captures"]) == (

@@ -1,5 +1,5 @@
-"""Validation beyond the catalogue: the policy, the quarantine round trip, pack's re-checks, and
-`python -m eagle3data.check_dataset` on packed datasets that were copied or merged by hand.
+"""Validation beyond the catalogue: the policy, the quarantine round trip, pack's re-checks, extract's
+reuse check, and `python -m eagle3data.check_dataset` on packed datasets copied or merged by hand.
 
 All on real files of the session's demo run; the workflow is re-run where a stage is under test.
 """
@@ -20,7 +20,9 @@ import torch
 from conftest import demo_config, run_snakemake, with_defaults
 from corruption import RUN, ONLY_MTIME, failure_line, packed_ids, rerun, samples, table, validate_log
 
+from eagle3data import validate
 from eagle3data.layers import parse_captures
+from eagle3data.settings import Settings
 from eagle3data.states import Expected, header_problems
 
 pytestmark = pytest.mark.slow
@@ -113,6 +115,22 @@ def test_quarantine_still_stops_on_a_broken_table(demo_copy):
     assert "policy quarantine; a broken table fails under any policy" in log
     assert "| expected 1 | found 0" in failure_line(log, missing.sample_id, "times_extracted == 1")
     assert not (demo_copy / RUN / "dataset").exists()
+
+
+def test_quarantine_of_every_sample_of_a_shard_leaves_an_empty_manifest(demo_copy, monkeypatch):
+    monkeypatch.chdir(demo_copy)  # the manifests' paths are relative to the run directory
+    shard = "00002"
+    for sample in pd.read_parquet(f"{RUN}/extract/shard-{shard}.parquet")["path"]:
+        Path(sample).write_bytes(b"")
+    settings = Settings(with_defaults(demo_config()))
+    out = demo_copy / "out"
+    manifest = validate.run(validate.ValidateJob(
+        f"{RUN}/tokenized/shard-{shard}.parquet", f"{RUN}/extract/shard-{shard}.parquet",
+        str(out / "states.parquet"), str(out / "quarantined.parquet"), str(out / "quarantine"),
+        settings.expected, settings.model.vocab_size, settings.config["sequence"], "quarantine"))
+    assert manifest.empty and pd.read_parquet(out / "states.parquet").empty
+    quarantined = pd.read_parquet(out / "quarantined.parquet")
+    assert len(quarantined) == 5 and quarantined["reason"].str.startswith("quarantined: read_error").all()
 
 
 def test_pack_rechecks_the_validated_manifest(demo_copy):

@@ -68,19 +68,33 @@ def wait_for_file(path: Path, timeout_s: float) -> None:
         time.sleep(0.01)
 
 
-def run(job: ExtractJob) -> dict:
-    shard = check(TokenizedShard, pd.read_parquet(job.tokenized), f"tokenized shard {job.tokenized}")
-    todo, manifest = [], []
+def reuse_or_clear(job: ExtractJob, shard: pd.DataFrame) -> tuple[list, list]:
+    """(manifest rows of the samples whose stored file is whole and holds their tokens, rows to compute).
+
+    A stored file that does not match (tokens changed with max_seq_len or the template, or the file is
+    damaged) is removed first: `wait_for_file` must see only the file the engine writes for this run.
+    """
+    manifest, todo, stale = [], [], 0
     for row in shard.itertuples(index=False):
         path = sample_path(job.store_dir, row.sample_id)
-        if path.exists() and not header_problems(row.sample_id, str(path), row.input_ids, job.expected):
-            manifest.append((row.sample_id, row.num_tokens, str(path), "reused"))
-        else:
+        if not path.exists():
             todo.append(row)
+        elif header_problems(row.sample_id, str(path), row.input_ids, job.expected):
+            path.unlink(missing_ok=True)
+            todo.append(row)
+            stale += 1
+        else:
+            manifest.append((row.sample_id, row.num_tokens, str(path), "reused"))
     logger.info(
-        "shard %s: %d samples, %d reused from the store, %d to compute",
-        job.tokenized, len(shard), len(manifest), len(todo),
+        "shard %s: %d samples, %d reused from the store, %d to compute (%d stored files no longer "
+        "matched their samples and were removed)", job.tokenized, len(shard), len(manifest), len(todo), stale,
     )
+    return manifest, todo
+
+
+def run(job: ExtractJob) -> dict:
+    shard = check(TokenizedShard, pd.read_parquet(job.tokenized), f"tokenized shard {job.tokenized}")
+    manifest, todo = reuse_or_clear(job, shard)
     check_disk(job, shard, todo)
     failed: dict[str, str] = {}
     try:

@@ -269,6 +269,7 @@ class SampleStates(pa.DataFrameModel):
 
     class Config:
         strict = True
+        coerce = True  # an empty table (every sample of the shard quarantined) has no dtypes
 
 
 @functools.lru_cache

@@ -54,11 +54,7 @@ def token_counts(dataset_path: str | Path, vocab_size: int) -> np.ndarray:
 
 
 def draft_mapping(counts: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d) for the `draft_vocab_size` most frequent tokens of `counts`."""
-    if not 0 < draft_vocab_size <= counts.size:
-        raise VocabError(
-            f"draft_vocab_size: expected 1..{counts.size} (the target's vocabulary), found {draft_vocab_size}"
-        )
+    """(d2t, t2d) for the `draft_vocab_size` (<= counts.size) most frequent tokens of `counts`."""
     seen = np.flatnonzero(counts)
     ranked = seen[np.lexsort((seen, -counts[seen]))][:draft_vocab_size]
     if ranked.size < draft_vocab_size:
@@ -89,6 +85,11 @@ def write_vocab(dataset_path: str | Path, model_path: str | Path, draft_vocab_si
                 token_freq_out: str | Path, mapping_out: str | Path) -> dict:
     """Write token_freq.pt and vocab_mapping.pt for the dataset; return a short summary."""
     info = read_dataset_model(model_path, open_dataset(dataset_path).metadata)
+    if not 0 < draft_vocab_size <= info.vocab_size:
+        raise VocabError(
+            f"draft_vocab_size: expected 1..{info.vocab_size} (the vocabulary of {model_path}), found "
+            f"{draft_vocab_size}"
+        )
     counts = token_counts(dataset_path, info.vocab_size)
     d2t, t2d = draft_mapping(counts, draft_vocab_size)
     with atomic_path(token_freq_out) as tmp:
