@@ -27,11 +27,12 @@ logger = get_logger(__name__)
 
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the driver shows this process
 LOCK_ROOT = Path(tempfile.gettempdir()) / "eagle3data-gpu-locks"
+POLL_S = 1.0  # how often a waiting job tries again
 _held: dict[str, BinaryIO] = {}  # this process's claimed GPUs (the locks live as long as the files)
 
 
 class GpuClaimError(RuntimeError):
-    pass
+    """A job's GPUs cannot be claimed: too few are visible, or SLURM bound none to it."""
 
 
 def start_job(gpus: int) -> None:
@@ -69,7 +70,7 @@ def visible_gpus(slurm_job: str | None) -> list[str]:
     return [str(i) for i in range(len(found))]
 
 
-def claim_gpus(n: int, visible: list[str], scope: Path, poll_s: float = 1.0) -> dict[str, BinaryIO]:
+def claim_gpus(n: int, visible: list[str], scope: Path) -> dict[str, BinaryIO]:
     """Lock `n` of `visible` under `scope`, waiting while other jobs hold them; GPU -> open lock file."""
     if n > len(visible):
         raise GpuClaimError(f"this job asks for {n} GPUs, only {len(visible)} are visible: {visible}")
@@ -92,4 +93,4 @@ def claim_gpus(n: int, visible: list[str], scope: Path, poll_s: float = 1.0) -> 
         if not waited:
             logger.info("waiting for %d free GPUs of %s (other jobs hold them; locks in %s)", n, visible, scope)
             waited = True
-        time.sleep(poll_s)
+        time.sleep(POLL_S)
