@@ -9,6 +9,7 @@ this project was born from) fails in one place, saying what was expected and wha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -154,12 +155,14 @@ def capture_facts(sample_id: str, path: str, expected: Expected) -> list[dict]:
         tokens, n, hidden = states.shape
         norms, low, crcs = torch.empty(tokens, n), torch.empty(tokens, n, dtype=int_dtype), [0] * n
         step = max(1, _BLOCK_BYTES // (n * hidden * states.element_size()))  # small, reused temporaries
-        for start in ahead(_read_blocks(f, states, step, path)):  # the next block is read meanwhile
-            block = states[start : start + step]
-            norms[start : start + step] = block.float().norm(dim=-1)
-            magnitude = block.view(int_dtype) & torch.iinfo(int_dtype).max
-            torch.amin(magnitude, dim=-1, out=low[start : start + step])  # aminmax is 20x slower on ints
-            crcs = [_crc(block[:, slot], crc) for slot, crc in enumerate(crcs)]
+        # The next block is read while this one is measured; closed (the read finished) before f is.
+        with contextlib.closing(ahead(_read_blocks(f, states, step, path))) as blocks:
+            for start in blocks:
+                block = states[start : start + step]
+                norms[start : start + step] = block.float().norm(dim=-1)
+                magnitude = block.view(int_dtype) & torch.iinfo(int_dtype).max
+                torch.amin(magnitude, dim=-1, out=low[start : start + step])  # aminmax: 20x slower on ints
+                crcs = [_crc(block[:, slot], crc) for slot, crc in enumerate(crcs)]
     rows = []
     for slot, capture in enumerate(expected.captures):
         x, norm = states[:, slot, :], norms[:, slot].contiguous()
