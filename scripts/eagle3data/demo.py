@@ -78,11 +78,37 @@ def build_demo_tokenizer(texts: list[str], out_dir: Path, vocab_size: int = 1024
     return tokenizer
 
 
-def tiny_deepseek_v3_config(vocab_size: int, num_hidden_layers: int = 8, hidden_size: int = 128):
-    """Kimi-K2.5's architecture scaled down; MLA sizes stay real (smaller ones fail in vLLM-CPU)."""
+# What makes a DeepSeek-V3 config Kimi-K2.5's architecture, whatever its size: MoE routing, MLA sizes
+# (smaller MLA sizes fail in vLLM-CPU) and yarn rope.
+KIMI_ARCHITECTURE = {
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.827,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "max_position_embeddings": 131072,
+    "rope_interleave": True,
+    "tie_word_embeddings": False,
+}
+
+
+def kimi_like_config(**sizes):
+    """A DeepSeek-V3 config with Kimi-K2.5's architecture and the given sizes."""
     from transformers import DeepseekV3Config
 
-    return DeepseekV3Config(
+    return DeepseekV3Config(**KIMI_ARCHITECTURE, rope_parameters=dict(KIMI_ROPE_PARAMETERS), **sizes)
+
+
+def tiny_deepseek_v3_config(vocab_size: int, num_hidden_layers: int = 8, hidden_size: int = 128):
+    """Kimi-K2.5's architecture scaled down."""
+    return kimi_like_config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -90,25 +116,9 @@ def tiny_deepseek_v3_config(vocab_size: int, num_hidden_layers: int = 8, hidden_
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=2,
         num_key_value_heads=2,
-        n_shared_experts=1,
         n_routed_experts=8,
         num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        routed_scaling_factor=2.827,
-        topk_method="noaux_tc",
-        scoring_func="sigmoid",
-        norm_topk_prob=True,
-        kv_lora_rank=512,
         q_lora_rank=64,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        max_position_embeddings=131072,
-        rope_parameters=dict(KIMI_ROPE_PARAMETERS),
-        rope_interleave=True,
-        tie_word_embeddings=False,
         bos_token_id=2,
         eos_token_id=3,
         pad_token_id=0,

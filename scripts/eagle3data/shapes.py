@@ -13,16 +13,14 @@ import argparse
 import shutil
 from pathlib import Path
 
-from eagle3data.demo import KIMI_ROPE_PARAMETERS
+from eagle3data.demo import kimi_like_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def kimi_k25_config(n_routed_experts: int = 8, num_experts_per_tok: int = 2, num_hidden_layers: int = 61):
     """Kimi-K2.5's language model (DeepSeek-V3 architecture) with fewer routed experts (384 in the real one)."""
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(
+    return kimi_like_config(
         vocab_size=163840,
         hidden_size=7168,
         intermediate_size=18432,
@@ -30,26 +28,10 @@ def kimi_k25_config(n_routed_experts: int = 8, num_experts_per_tok: int = 2, num
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=64,
         num_key_value_heads=64,
-        n_shared_experts=1,
         n_routed_experts=n_routed_experts,
         num_experts_per_tok=num_experts_per_tok,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        routed_scaling_factor=2.827,
-        topk_method="noaux_tc",
-        scoring_func="sigmoid",
-        norm_topk_prob=True,
-        kv_lora_rank=512,
         q_lora_rank=1536,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        max_position_embeddings=131072,
-        rope_parameters=dict(KIMI_ROPE_PARAMETERS),
-        rope_interleave=True,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
         dtype="bfloat16",
         architectures=["DeepseekV3ForCausalLM"],  # without it vLLM 0.26 serves the model as a pooler
     )
