@@ -32,7 +32,7 @@ _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 # Each float dtype as integers of its width, and its exponent bits (all set: inf or nan).
 _BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
          torch.float32: (torch.int32, 0x7F800000)}
-_BLOCK_BYTES = 4 << 20  # capture_facts reads and measures this many bytes of tokens at a time
+_BLOCK_BYTES = 2 << 20  # capture_facts reads and measures this many bytes of tokens at a time
 READ_CHUNK = 1 << 20  # bytes per read call: from disk, 1 MB reads run up to 2x faster than one large one
 
 
