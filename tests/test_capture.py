@@ -35,8 +35,7 @@ RUNNER = textwrap.dedent(
     """
     import json, sys
     from eagle3data.extract import ExtractJob, run
-    from eagle3data.crosscheck import load_reference_model, reference_states
-from eagle3data.layers import parse_captures
+    from eagle3data.layers import parse_captures
     from eagle3data.model_info import read_model_info
     from eagle3data.states import Expected
 
