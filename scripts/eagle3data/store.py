@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,8 +43,6 @@ def atomic_path(final_path: str | os.PathLike) -> Iterator[str]:
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             if tmp.is_dir():
-                import shutil
-
                 shutil.rmtree(tmp)
             else:
                 tmp.unlink()
