@@ -12,6 +12,7 @@ rule validate:
         f"{RUN_DIR}/benchmarks/validate/shard-{{shard}}.tsv"
     conda:
         "../envs/eagle3data.yaml"
+    threads: config["validation"]["threads"]
     params:
         model=config["model"],
         captures=config["captures"],

@@ -18,5 +18,6 @@ run(
         vocab_size=settings.model.vocab_size,
         sequence=dict(sm.params.sequence),
         policy=sm.params.policy,
+        threads=sm.threads,
     )
 )

@@ -132,7 +132,7 @@ def reference_copy(reference, tmp_path) -> Path:
 # (kill point, finished samples in the store after the kill). Each run starts where the last one died.
 KILLS = [
     ("extract:engine_ready", 0),  # the engine is up, no sample computed yet
-    ("extract:sample_done#3", 3),  # mid-shard: the third sample checked
+    ("extract:batch_done#3", 3),  # mid-shard: the third batch (of one sample) checked
     ("write:*.safetensors#2", 4),  # the worker writing this run's second file, under its temporary name
     ("write:*/extract/shard-00000.parquet", 8),  # every sample stored, the manifest not renamed yet
     ("write:*/eagle3_metadata.json", 8),  # pack: data files written, the dataset not renamed into place

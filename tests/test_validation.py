@@ -23,7 +23,7 @@ from corruption import RUN, ONLY_MTIME, failure_line, packed_ids, rerun, samples
 from eagle3data import validate
 from eagle3data.layers import parse_captures
 from eagle3data.settings import Settings
-from eagle3data.states import Expected, header_problems
+from eagle3data.states import Expected, file_facts, judge_files
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def check_dataset(path: Path) -> subprocess.CompletedProcess:
 
 
 def test_policy_defaults_to_fail_and_refuses_unknown_values(tmp_path):
-    assert with_defaults(demo_config())["validation"] == {"policy": "fail"}
+    assert with_defaults(demo_config())["validation"] == {"policy": "fail", "threads": 2}
     proc = run_snakemake(tmp_path, "-n", config=demo_config(validation={"policy": "skip"}), check=False)
     assert proc.returncode != 0
     assert "'skip' is not one of ['fail', 'quarantine']" in proc.stdout + proc.stderr
@@ -154,12 +154,14 @@ def test_extract_reuses_a_file_only_if_it_meets_the_same_contract(demo_run, tmp_
     sample = samples(demo_run, "00000")[0]
     ids = pd.read_parquet(demo_run / RUN / "tokenized/shard-00000.parquet").set_index("sample_id")
     expected = Expected(parse_captures(demo_config()["captures"], 8), 128, "bfloat16")
-    assert header_problems(sample.sample_id, str(sample.path), ids.loc[sample.sample_id, "input_ids"],
-                           expected) == []
+    input_ids = ids.loc[sample.sample_id, "input_ids"]
+    assert judge_files([file_facts(sample.sample_id, str(sample.path), input_ids)], expected) == {}
     copy = tmp_path / sample.path.name
     shutil.copy(sample.path, copy)
-    problems = header_problems(sample.sample_id, str(copy), ids.loc[sample.sample_id, "input_ids"][:-1],
-                               expected)
+    found = judge_files([file_facts("whole", str(sample.path), input_ids),
+                         file_facts(sample.sample_id, str(copy), input_ids[:-1])], expected)
+    assert list(found) == [sample.sample_id], found
+    problems = found[sample.sample_id]
     assert len(problems) == 2, problems
     assert f"sample {sample.sample_id} | check shape == [len(input_ids), 4, 128] | expected " \
            f"[{sample.num_tokens - 1}, 4, 128] | found [{sample.num_tokens}, 4, 128]" in problems[0]

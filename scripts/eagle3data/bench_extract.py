@@ -1,7 +1,11 @@
 r"""Figure 1: the extract stage's tokens/s against bare prefill of the same engine, in one run.
 
-Three phases, each in its own process so the GPU is free between them:
+Four phases, each in its own process so the GPU is free between them:
   matmul   a bf16 matrix product's FLOP/s (the device's practical ceiling);
+  write    the store's write rate: as many files of the prompts' size, written as the connector writes
+           them (8 threads, `store.atomic_path` with writeback started, renamed) and made durable as
+           the extract job does (`store.make_durable`), and, beside it, plainly (no rename, no fsync:
+           the page cache's rate). Extract cannot outrun the first;
   bare     the engine as the pipeline configures it, minus capture and connector, prefilling the prompts
            in the pipeline's batches (`SamplingParams(max_tokens=1)`);
   extract  the pipeline's extract stage (`eagle3data.extract.run`) on the same prompts: capture, the
@@ -25,12 +29,16 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from eagle3data.crosscheck import parse_capture_arg, parse_engine_args
 from eagle3data.engine import installed_vllm
+
+PHASES = ("matmul", "write", "bare", "extract")
+WRITER_THREADS = 8  # vLLM's hidden-states connector's default `num_writer_threads`
 
 
 def matmul_flops(device: str, size: int, repeats: int = 10) -> float:
@@ -116,9 +124,44 @@ def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
     disk_bytes = sum(f.stat().st_size for f in files)
     raw = stats["computed_tokens"] * len(captures) * info.hidden_size * torch.empty((), dtype=getattr(
         torch, args.dtype)).element_size()
-    return {"tokens": stats["computed_tokens"], "seconds": stats["seconds"],
+    steps = {k: v for k, v in stats.items() if k.endswith("_seconds")}
+    return {"tokens": stats["computed_tokens"], "seconds": stats["seconds"], "seconds_by_step": steps,
             "tokens_per_second": stats["tokens_per_second"], "files": len(files),
             "bytes_on_disk": disk_bytes, "bytes_on_disk_per_raw_byte": disk_bytes / raw}
+
+
+def store_write_rate(args, captures, hidden_size: int) -> dict:
+    """Seconds to write `args.prompts` files of `[tokens, captures, hidden]` states with the connector's
+    writer threads, as the store does (made durable at the end) and plainly; files removed after each."""
+    from safetensors.torch import save_file
+
+    from eagle3data.store import atomic_path, make_durable, sample_path
+
+    states = torch.randn(args.tokens, len(captures), hidden_size).to(getattr(torch, args.dtype))
+    tensors = {"hidden_states": states, "token_ids": torch.arange(args.tokens)}
+    store = Path(args.work) / "write-rate"
+
+    def store_way(path: Path) -> None:
+        with atomic_path(path, durable=False) as tmp:
+            save_file(tensors, tmp)
+
+    def plain(path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path))
+
+    result = {"files": args.prompts, "bytes": states.numel() * states.element_size() * args.prompts}
+    for name, write in (("store", store_way), ("plain", plain)):
+        paths = [sample_path(store, f"{i:08x}") for i in range(args.prompts)]
+        os.sync()
+        began = time.perf_counter()
+        with ThreadPoolExecutor(WRITER_THREADS) as pool:
+            list(pool.map(write, paths))
+        if write is store_way:
+            make_durable(paths)
+        result[f"{name}_seconds"] = time.perf_counter() - began
+        result[f"{name}_bytes_per_second"] = result["bytes"] / result[f"{name}_seconds"]
+        shutil.rmtree(store)
+    return result
 
 
 def run_phase(args) -> dict:
@@ -131,6 +174,8 @@ def run_phase(args) -> dict:
         return {"flops_per_second": matmul_flops(args.device, args.matmul_size)}
     info = read_model_info(args.model)
     captures = parse_captures(args.captures, info.num_hidden_layers)
+    if args.phase == "write":
+        return store_write_rate(args, captures, info.hidden_size)
     engine = engine_config({"device": args.device, **parse_engine_args(args.engine)})
     prompts = random_prompts(args.prompts, args.tokens, min(info.vocab_size, 30000), seed=7)
     phase = bare_prefill if args.phase == "bare" else pipeline_extract
@@ -150,7 +195,7 @@ def main() -> None:
     parser.add_argument("--matmul-size", type=int, default=None, help="default 8192 on cuda, 2048 on cpu")
     parser.add_argument("--work", default="results/bench-extract", help="shard and states go here")
     parser.add_argument("--out", default=None, help="write the JSON here too")
-    parser.add_argument("--phase", choices=["matmul", "bare", "extract"], help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     # Decided without touching CUDA: a driver that initialized CUDA makes vLLM's forked workers fail
     # ("Cannot re-initialize CUDA in forked subprocess", seen on the H200). Spawned workers never do.
@@ -168,7 +213,7 @@ def main() -> None:
     result = {"model": args.model, "device": args.device, "dtype": args.dtype, "prompts": args.prompts,
               "tokens_per_prompt": args.tokens, "captures": len(args.captures), "engine": args.engine,
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    for phase in ("matmul", "bare", "extract"):
+    for phase in PHASES:
         result[phase] = _child(phase)
     flops = model_flops(args.model, [args.tokens] * args.prompts)
     bare_fps = flops / result["bare"]["seconds"]
@@ -177,15 +222,26 @@ def main() -> None:
         "bare_model_flops_per_second": bare_fps,
         "bare_over_matmul": bare_fps / result["matmul"]["flops_per_second"],
         "bytes_on_disk_per_raw_byte": result["extract"]["bytes_on_disk_per_raw_byte"],
+        # The store's durable write rate / the rate bare prefill would need: below 1, the disk limits extract.
+        "store_write_over_bare_need": result["write"]["store_bytes_per_second"]
+        / (result["bare"]["tokens_per_second"] * result["write"]["bytes"] / (args.tokens * args.prompts)),
+        "store_durable_over_plain": result["write"]["store_bytes_per_second"]
+        / result["write"]["plain_bytes_per_second"],
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     f, e, b = result["figures"], result["extract"], result["bare"]
     print(f"extract {e['tokens_per_second']:.0f} tok/s / bare prefill {b['tokens_per_second']:.0f} tok/s "
           f"= {f['extract_over_bare']:.3f}")
+    print("extract's seconds: " + ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in
+                                            e["seconds_by_step"].items()) + f"; bare prefill's {b['seconds']:.2f}")
     print(f"bare prefill {f['bare_model_flops_per_second'] / 1e12:.2f} TFLOP/s of model FLOPs / bf16 matmul "
           f"{result['matmul']['flops_per_second'] / 1e12:.2f} TFLOP/s = {f['bare_over_matmul']:.3f}")
     print(f"bytes on disk / raw states = {f['bytes_on_disk_per_raw_byte']:.5f} ({e['files']} files)")
+    w = result["write"]
+    print(f"store writes {w['store_bytes_per_second'] / 1e9:.2f} GB/s durably ({WRITER_THREADS} threads; plainly "
+          f"{w['plain_bytes_per_second'] / 1e9:.2f}) = {f['store_write_over_bare_need']:.2f} x what bare prefill's "
+          f"rate needs")
 
 
 def _child(phase: str) -> dict:

@@ -4,7 +4,7 @@ Kimi-K2.5's shape (61 layers, hidden 7168, the four captures of config/kimi-k2.5
 config.json only; samples of `[512, 4, 7168]` random bf16 states are written as the store's files
 (`store.sample_path`, `store.atomic_path`, the connector's tensors) with a tokenized shard and an extract
 manifest per shard. The real `validate` and `pack` stages then run on them as Snakemake runs them: in
-their own process with OMP_NUM_THREADS=1 (the rules' `threads`), timed inside it
+their own process with OMP_NUM_THREADS set to the rule's `threads` (validate 2, pack 1), timed inside it
 (`python -m eagle3data.bench_io validate|pack JOB.json`), beside their references on the same files:
 plainly reading them, and `cp` of them. Before each timed pass the files are dropped from the page cache
 (posix_fadvise DONTNEED), so every pass reads them from disk, as a production shard (tens of GB) is
@@ -137,15 +137,16 @@ def copy_files(paths: list[str], dest: Path) -> float:
 
 
 def stage_in_child(stage: str, settings: Settings, shards: list[Shard], out_dir: Path) -> dict:
-    """Run `validate` (each shard) or `pack` (all shards into out_dir) in a fresh process with one
-    thread, as Snakemake runs the rule: its seconds and peak RSS."""
+    """Run `validate` (each shard) or `pack` (all shards into out_dir) in a fresh process with the
+    rule's threads (validate: `validation.threads`, pack: 1), as Snakemake runs it: seconds, peak RSS."""
+    threads = settings.config["validation"]["threads"] if stage == "validate" else 1
     job = out_dir.with_suffix(f".{stage}.json")
     job.write_text(json.dumps({"config": settings.config, "shards": [asdict(s) for s in shards],
                                "out_dir": str(out_dir)}))
     # Started through `timeout`, which forks it: a process exec'd straight from this one would count
     # this one's memory in its ru_maxrss (Linux keeps the high-water mark across exec).
     proc = subprocess.run(["timeout", "3600", sys.executable, "-m", "eagle3data.bench_io", stage, str(job)],
-                          check=True, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          check=True, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -209,7 +210,7 @@ def _child(stage: str, job_file: str) -> None:
     if stage == "validate":
         for s in shards:
             validate(ValidateJob(s.tokenized, s.extract_manifest, s.states, s.quarantined, s.tokenized + ".q",
-                                 expected, vocab, sequence))
+                                 expected, vocab, sequence, threads=settings.config["validation"]["threads"]))
     else:
         out = job["out_dir"]
         pack(PackJob([s.tokenized for s in shards], [s.skipped for s in shards], [s.states for s in shards],

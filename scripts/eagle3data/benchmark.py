@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from eagle3data.crosscheck import parse_capture_arg, parse_engine_args
@@ -91,10 +91,14 @@ def extract_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
     result = json.loads(out.read_text())
     e, b = result["extract"], result["bare"]
     goal = ">= 0.95" if args.device == "cuda" else ">= 0.8"
+    steps = ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in e["seconds_by_step"].items())
     return result, [judged("1", "extract", result["figures"]["extract_over_bare"], goal,
                            f"extract {e['tokens_per_second']:.0f} tok/s / bare prefill "
                            f"{b['tokens_per_second']:.0f} tok/s ({result['prompts']} x {result['tokens_per_prompt']} "
-                           f"tokens); bare at {result['figures']['bare_over_matmul']:.3f} of a bf16 matmul")]
+                           f"tokens; seconds: {steps}, bare prefill {b['seconds']:.2f}); "
+                           f"bare at {result['figures']['bare_over_matmul']:.3f} of a bf16 matmul; "
+                           f"the store's durable writes at {result['figures']['store_write_over_bare_need']:.2f} "
+                           f"x bare's need")]
 
 
 def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
@@ -172,11 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--captures", default=DEMO_CAPTURES, help="for 1 and 7")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="for 1 and 7")
     parser.add_argument("--engine", nargs="*", default=[], help="engine settings KEY=VALUE, for 1 and 7")
+    parser.add_argument("--prompts", type=int, help="figure 1's prompts (default: the scale's)")
+    parser.add_argument("--tokens", type=int, help="figure 1's tokens per prompt (default: the scale's)")
+    parser.add_argument("--conversations", type=int, help="figure 7's conversations (default: the scale's)")
     parser.add_argument("--work", default="results/benchmark", help="scratch directory (emptied first)")
     parser.add_argument("--out", help="write the JSON here")
     args = parser.parse_args(argv)
     wanted = set(args.figures.split(","))
     scale = SCALES["quick" if args.quick else "full"]
+    sizes = {"extract_prompts": args.prompts, "extract_tokens": args.tokens, "e2e_conversations": args.conversations}
+    scale = replace(scale, **{k: v for k, v in sizes.items() if v})
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

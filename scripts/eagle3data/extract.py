@@ -11,6 +11,7 @@ manifest (failed_samples.py). The shard's manifest is written last, only when ev
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +23,8 @@ from eagle3data import disk, failed_samples
 from eagle3data import engine as engine_mod
 from eagle3data.logs import get_logger
 from eagle3data.schemas import BoundaryError, ExtractManifest, TokenizedShard, check
-from eagle3data.states import Expected, header_problems
-from eagle3data.store import atomic_path, atomic_write_text, sample_path
+from eagle3data.states import Expected, file_facts, judge_files
+from eagle3data.store import atomic_path, atomic_write_text, make_durable, sample_path
 from eagle3data.testing import FailedOnPurpose, fail_on_purpose, kill_point
 
 logger = get_logger(__name__)
@@ -74,12 +75,15 @@ def reuse_or_clear(job: ExtractJob, shard: pd.DataFrame) -> tuple[list, list]:
     A stored file that does not match (tokens changed with max_seq_len or the template, or the file is
     damaged) is removed first: `wait_for_file` must see only the file the engine writes for this run.
     """
+    rows = list(shard.itertuples(index=False))
+    stored = [r for r in rows if sample_path(job.store_dir, r.sample_id).exists()]
+    problems = file_problems(job, stored)
     manifest, todo, stale = [], [], 0
-    for row in shard.itertuples(index=False):
+    for row in rows:
         path = sample_path(job.store_dir, row.sample_id)
         if not path.exists():
             todo.append(row)
-        elif header_problems(row.sample_id, str(path), row.input_ids, job.expected):
+        elif row.sample_id in problems:
             path.unlink(missing_ok=True)
             todo.append(row)
             stale += 1
@@ -97,8 +101,10 @@ def run(job: ExtractJob) -> dict:
     manifest, todo = reuse_or_clear(job, shard)
     check_disk(job, shard, todo)
     failed: dict[str, str] = {}
+    steps = {"generate": 0.0, "files": 0.0, "checks": 0.0, "durable": 0.0}  # seconds of each timed step
     try:
-        seconds = _compute(job, todo, failed) if todo else 0.0
+        if todo:
+            _compute(job, todo, failed, steps)
     finally:  # what failed is on record even when the job dies after it
         if failed:
             failed_samples.write(job.manifest, job.tokenized, failed, len(shard), len(manifest))
@@ -108,6 +114,10 @@ def run(job: ExtractJob) -> dict:
     failed_samples.clear(job.manifest)
     manifest += [(r.sample_id, r.num_tokens, str(sample_path(job.store_dir, r.sample_id)), "computed")
                  for r in todo]
+    began = time.perf_counter()  # part of the stage's time: the shard is not done before it is durable
+    make_durable([Path(path) for _, _, path, _ in manifest])  # reused files too: a killed run wrote them
+    steps["durable"] = time.perf_counter() - began
+    seconds = sum(steps.values())
     computed_tokens = int(sum(r.num_tokens for r in todo))
     stats = {
         "samples": len(shard),
@@ -115,7 +125,8 @@ def run(job: ExtractJob) -> dict:
         "computed": len(todo),
         "computed_tokens": computed_tokens,
         "seconds": seconds,
-        "tokens_per_second": computed_tokens / seconds if seconds else None,
+        "tokens_per_second": computed_tokens / seconds if computed_tokens else None,
+        **{f"{step}_seconds": value for step, value in steps.items()},
     }
     df = pd.DataFrame(manifest, columns=["sample_id", "num_tokens", "path", "status"])
     df = check(ExtractManifest, df, f"extract manifest for {job.tokenized}")
@@ -138,8 +149,9 @@ def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
                               job.storage["check_free_space"])
 
 
-def _compute(job: ExtractJob, todo: list, failed: dict[str, str]) -> float:
-    """Compute `todo` in batches; each sample that fails goes to `failed` (id -> reason), file removed."""
+def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[str, float]) -> None:
+    """Compute `todo` in batches; each sample that fails goes to `failed` (id -> reason), file removed.
+    Adds the seconds of generate(), of waiting for the files, and of checking them, to `steps`."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -156,7 +168,6 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str]) -> float:
     engine_mod.check_prompt_fits(llm, max(r.num_tokens for r in todo))
     kill_point("extract:engine_ready")
     batch = job.engine["batch_samples"]
-    seconds = 0.0
     progress = tqdm(total=len(todo), desc="extract", unit="sample", mininterval=5)
     for start in range(0, len(todo), batch):
         rows = todo[start : start + batch]
@@ -167,23 +178,81 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str]) -> float:
             for p in paths
         ]
         began = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        with FileWatcher(rows, paths) as landed_facts:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        generated = time.perf_counter()
         if len(outputs) != len(rows):
             raise BoundaryError(f"engine returned {len(outputs)} outputs for {len(rows)} prompts")
+        facts = []
         for row, path, output in zip(rows, paths, outputs):
             try:
                 check_reply(row.sample_id, output.kv_transfer_params, str(path))
-                wait_for_file(path, job.engine["file_timeout_s"])  # may land after the reply
+                if row.sample_id not in landed_facts:
+                    wait_for_file(path, job.engine["file_timeout_s"])  # may land after the reply
+                    landed_facts[row.sample_id] = file_facts(row.sample_id, str(path), row.input_ids)
                 fail_on_purpose(row.sample_id, job.fail_samples)
-                problems = header_problems(row.sample_id, str(path), row.input_ids, job.expected)
-                if problems:
-                    raise BoundaryError("\n".join(problems))
+                facts.append(landed_facts[row.sample_id])
             except (BoundaryError, FailedOnPurpose) as exc:
-                failed[row.sample_id] = str(exc)
-                path.unlink(missing_ok=True)  # never reused: the next run computes it again
-                logger.error("%s", exc)
-            kill_point("extract:sample_done")
-        seconds += time.perf_counter() - began
+                _fail(row.sample_id, str(exc), path, failed)
+        waited = time.perf_counter()
+        for sample_id, problems in judge(facts, job.expected).items():
+            _fail(sample_id, "\n".join(problems), sample_path(job.store_dir, sample_id), failed)
+        kill_point("extract:batch_done")
+        checked = time.perf_counter()
+        steps["generate"] += generated - began
+        steps["files"] += waited - generated
+        steps["checks"] += checked - waited
         progress.update(len(rows))
     progress.close()
-    return seconds
+
+
+def file_problems(job: ExtractJob, rows: list) -> dict[str, list[str]]:
+    """The file contract on these rows' stored files, checked together."""
+    paths = [sample_path(job.store_dir, r.sample_id) for r in rows]
+    return judge([file_facts(r.sample_id, str(p), r.input_ids) for r, p in zip(rows, paths)], job.expected)
+
+
+def judge(facts: list[dict], expected: Expected) -> dict[str, list[str]]:
+    """states.judge_files, where a failure of the table itself (our bug, never a sample's) stops the job."""
+    problems = judge_files(facts, expected)
+    if "-" in problems:
+        raise BoundaryError("\n".join(problems["-"]))
+    return problems
+
+
+class FileWatcher:
+    """While generate() runs, reads each batch file's header and token ids (`states.file_facts`) as soon
+    as the worker renames it into place (a file that exists is whole): after generate() returns, only
+    the last few are left to wait for and read. `with FileWatcher(rows, paths) as facts:` fills the
+    dict `facts` (sample id -> facts) until the block ends."""
+
+    def __init__(self, rows: list, paths: list[Path]):
+        self.facts: dict[str, dict] = {}
+        self._pending = list(zip(rows, paths))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="eagle3data-file-watcher", daemon=True)
+
+    def __enter__(self) -> dict[str, dict]:
+        self._thread.start()
+        return self.facts
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while self._pending and not self._stop.wait(0.005):
+            waiting = []
+            for row, path in self._pending:
+                if path.exists():
+                    self.facts[row.sample_id] = file_facts(row.sample_id, str(path), row.input_ids)
+                else:
+                    waiting.append((row, path))
+            self._pending = waiting
+
+
+def _fail(sample_id: str, reason: str, path: Path, failed: dict[str, str]) -> None:
+    """Record a failed sample and remove its file: never reused, the next run computes it again."""
+    failed[sample_id] = reason
+    path.unlink(missing_ok=True)
+    logger.error("%s", reason)

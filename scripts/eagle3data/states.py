@@ -64,11 +64,17 @@ def file_facts(sample_id: str, path: str, input_ids) -> dict:
     return facts
 
 
-def header_problems(sample_id: str, path: str, expected_ids, expected: Expected) -> list[str]:
-    """The file contract on one sample (header and token ids only): [] when the file is a whole,
-    matching result, else one line per failed check naming the sample, expected and found."""
-    frame = pd.DataFrame([file_facts(sample_id, path, expected_ids)])
-    return [str(f) for f in validate(expected.file_contract(), frame, str(path))[1]]
+def judge_files(facts: list[dict], expected: Expected) -> dict[str, list[str]]:
+    """The file contract on many files' `file_facts` (headers and token ids): sample id -> one line per
+    failed check naming the sample, expected and found; a whole, matching file has no entry. One table
+    for all: a pandera validation per file costs ~5 ms, per 512 files ~20 ms, and the extract stage
+    runs this inside its timed region."""
+    if not facts:
+        return {}
+    problems: dict[str, list[str]] = {}
+    for failure in validate(expected.file_contract(), pd.DataFrame(facts), "states files")[1]:
+        problems.setdefault(failure.sample_id, []).append(str(failure))
+    return problems
 
 
 def checksum(x: torch.Tensor) -> str:

@@ -5,8 +5,8 @@
 - `EAGLE3DATA_TEST_KILL_AT=<pattern>[#n]` in the environment: the n-th time (default 1) this process
   reaches a point whose name matches the glob `pattern`, it SIGKILLs its whole process group: started
   in its own session, that is the whole `snakemake` run, as a node crash or `kill -9` would. Points:
-  `extract:engine_ready` (before the first sample), `extract:sample_done` (after each sample is
-  checked), `write:<final path>` (a file written in full under its temporary name, not yet renamed:
+  `extract:engine_ready` (before the first sample), `extract:batch_done` (after each batch's samples
+  are checked), `write:<final path>` (a file written in full under its temporary name, not yet renamed:
   `store.atomic_path`, in whichever process writes it, vLLM's worker included).
 """
 

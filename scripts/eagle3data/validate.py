@@ -14,6 +14,7 @@ one twice or listing a foreign one) fails under either policy: no file can be se
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pandas as pd
@@ -50,6 +51,7 @@ class ValidateJob:
     vocab_size: int
     sequence: dict
     policy: str = "fail"
+    threads: int = 1  # files checked at once
 
 
 def _tables(job: ValidateJob) -> tuple[pd.DataFrame, pd.DataFrame, list]:
@@ -72,9 +74,10 @@ def _samples(job: ValidateJob, tokenized: pd.DataFrame, todo: pd.DataFrame) -> t
     found = validate(expected.file_contract(), files, job.extract_manifest)[1]
     whole = files[~files["sample_id"].isin({f.sample_id for f in found})]
     rows = []
-    for sample_id, path in tqdm(list(zip(whole["sample_id"], whole["path"])), desc="validate",
-                                unit="sample", mininterval=5):
-        rows += capture_facts(sample_id, path, expected)
+    with ThreadPoolExecutor(job.threads, thread_name_prefix="eagle3data-validate") as pool:
+        measured = pool.map(lambda sample: capture_facts(*sample, expected), zip(whole["sample_id"], whole["path"]))
+        for facts in tqdm(measured, total=len(whole), desc="validate", unit="sample", mininterval=5):
+            rows += facts
     contract = states_manifest_contract(expected.hidden_size, expected.dtype)
     manifest, bad = validate(contract, pd.DataFrame(rows, columns=list(StatesManifest.to_schema().columns)),
                              job.extract_manifest)

@@ -2,6 +2,7 @@
 # The GPU runs of docs/gpu-run.md, one step per device call (each ends well inside 10 minutes):
 #   bash scripts/gpu/run.sh kimi       Kimi-K2.5-shaped model (dummy weights) through the workflow, TP1
 #   bash scripts/gpu/run.sh bench      figure 1 on an 8B Llama shape (dummy weights), TP1
+#   bash scripts/gpu/run.sh figures    figures 1 and 7 of the benchmark command, same shape and engine
 #   bash scripts/gpu/run.sh deepseek   small DeepSeek-V3 vs transformers; TP1 vs TP2 (needs 2 GPUs)
 #   bash scripts/gpu/run.sh kimi bench several steps in one call
 # Needs the wheels in /tmp/wheels (scripts/gpu/collect.sh); results and logs go to $OUT.
@@ -32,12 +33,23 @@ case "$what" in
     ;;
   bench)
     step bench llama-8b
-    timeout 240 python3 -m eagle3data.bench_extract --shape llama-8b --model /tmp/llama-8b \
+    timeout 400 python3 -m eagle3data.bench_extract --shape llama-8b --model /tmp/llama-8b \
       --captures 2:input,16:input,29:input,31:output --prompts 512 --tokens 512 \
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
       --work /tmp/bench --out "$OUT/bench-llama8b.json" > /tmp/bench.log 2>&1
-    echo "bench: exit $?"; tail -n 3 /tmp/bench.log; cp /tmp/bench.log "$OUT/log-bench.txt"
+    echo "bench: exit $?"; tail -n 6 /tmp/bench.log; cp /tmp/bench.log "$OUT/log-bench.txt"
     rm -rf /tmp/bench
+    ;;
+  figures)  # issue 8's figures 1 and 7 through the benchmark command: 8B Llama shape (dummy weights), TP1
+    step figures 1,7
+    python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
+    timeout 500 python3 -m eagle3data.benchmark --figures 1,7 --device cuda --model /tmp/llama-8b \
+      --captures 2:input,16:input,29:input,31:output --prompts 512 --tokens 512 --conversations 2048 \
+      --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
+      --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
+    echo "benchmark: exit $?"; tail -n 4 /tmp/figures.log
+    cat /tmp/figures.log /tmp/benchmark/*.log > "$OUT/log-figures.txt" 2>/dev/null
+    df -h /tmp | tail -1; rm -rf /tmp/benchmark
     ;;
   deepseek)
     step build small deepseek

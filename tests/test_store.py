@@ -1,0 +1,48 @@
+"""The store's write contract: renamed only when whole, durable before a shard is declared done."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from eagle3data import store
+
+
+def test_a_failed_write_leaves_neither_the_file_nor_its_temporary(tmp_path):
+    target = tmp_path / "ab" / "sample.safetensors"
+    with pytest.raises(RuntimeError), store.atomic_path(target, durable=False) as tmp:
+        Path(tmp).write_bytes(b"half a file")
+        raise RuntimeError("the writer died")
+    assert list(tmp_path.rglob("*")) == [tmp_path / "ab"]
+
+
+def record_fsyncs(monkeypatch) -> list[str]:
+    """The path of every file or directory fsynced from now on (the real fsync still runs)."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    return synced
+
+
+def test_deferred_writes_are_renamed_at_once_and_synced_by_make_durable(tmp_path, monkeypatch):
+    synced = record_fsyncs(monkeypatch)
+    paths = [store.sample_path(tmp_path, f"{prefix}{i:06d}") for prefix in ("aa", "bb") for i in range(3)]
+    for path in paths:
+        with store.atomic_path(path, durable=False) as tmp:
+            Path(tmp).write_bytes(path.name.encode())
+    assert synced == []  # nothing waited for while the engine runs
+    assert [p.read_bytes() for p in paths] == [p.name.encode() for p in paths]
+    store.make_durable(paths)
+    assert sorted(synced) == sorted([str(p) for p in paths] + [str(tmp_path / "aa"), str(tmp_path / "bb")])
+
+
+def test_durable_writes_sync_the_file_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
+    synced = record_fsyncs(monkeypatch)
+    store.atomic_write_text(tmp_path / "manifest.json", "{}")
+    assert synced == [str(tmp_path / f".manifest.json.tmp-{os.getpid()}"), str(tmp_path)]
+
+
+def test_writeback_starts_on_linux():
+    assert store._sync_file_range is not None  # otherwise make_durable does all the work, at the end
