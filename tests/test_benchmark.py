@@ -6,6 +6,7 @@ Timings are never asserted (this machine is shared and noisy); only that every f
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -19,9 +20,9 @@ pytestmark = pytest.mark.slow
 
 def test_quick_benchmark_prints_and_writes_every_figure(tmp_path):
     out = tmp_path / "bench.json"
+    work = os.path.relpath(tmp_path / "work", REPO)  # relative, as the default is: the Snakemake runs chdir
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle3data.benchmark", "--quick", "--work", str(tmp_path / "work"),
-         "--out", str(out)],
+        [sys.executable, "-m", "eagle3data.benchmark", "--quick", "--work", work, "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=1800,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = SCALES["quick" if args.quick else "full"]
     sizes = {"extract_prompts": args.prompts, "extract_tokens": args.tokens, "e2e_conversations": args.conversations}
     scale = replace(scale, **{k: v for k, v in sizes.items() if v})
-    work = Path(args.work)
+    work = Path(args.work).resolve()  # the Snakemake runs below work in directories of their own
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     if not Path(args.model, "config.json").is_file() and args.model == DEMO_MODEL:
