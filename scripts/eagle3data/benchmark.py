@@ -83,6 +83,8 @@ def run_child(cmd: list[str], log: Path) -> None:
 
 def extract_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
     """Figure 1: eagle3data.bench_extract (pipeline extract vs bare prefill of the same engine)."""
+    from eagle3data.bench_extract import describe_steps
+
     out = work / "extract.json"
     cmd = [sys.executable, "-m", "eagle3data.bench_extract", "--model", args.model, "--device", args.device,
            "--captures", args.captures, "--prompts", str(scale.extract_prompts),
@@ -91,11 +93,10 @@ def extract_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
     result = json.loads(out.read_text())
     e, b = result["extract"], result["bare"]
     goal = ">= 0.95" if args.device == "cuda" else ">= 0.8"
-    steps = ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in e["seconds_by_step"].items())
     return result, [judged("1", "extract", result["figures"]["extract_over_bare"], goal,
                            f"extract {e['tokens_per_second']:.0f} tok/s / bare prefill "
                            f"{b['tokens_per_second']:.0f} tok/s ({result['prompts']} x {result['tokens_per_prompt']} "
-                           f"tokens; seconds: {steps}, bare prefill {b['seconds']:.2f}); "
+                           f"tokens; seconds: {describe_steps(e)}, bare prefill {b['seconds']:.2f}); "
                            f"bare at {result['figures']['bare_over_matmul']:.3f} of a bf16 matmul; "
                            f"the store's durable writes at {result['figures']['store_write_over_bare_need']:.2f} "
                            f"x bare's need")]

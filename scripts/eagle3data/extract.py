@@ -75,13 +75,14 @@ def reuse_or_clear(job: ExtractJob, shard: pd.DataFrame) -> tuple[list, list]:
     A stored file that does not match (tokens changed with max_seq_len or the template, or the file is
     damaged) is removed first: `wait_for_file` must see only the file the engine writes for this run.
     """
-    rows = list(shard.itertuples(index=False))
-    stored = [r for r in rows if sample_path(job.store_dir, r.sample_id).exists()]
-    problems = file_problems(job, stored)
+    paths = {sample_id: sample_path(job.store_dir, sample_id) for sample_id in shard["sample_id"]}
+    stored = [row for row in shard.itertuples(index=False) if paths[row.sample_id].exists()]
+    problems = judge([file_facts(r.sample_id, str(paths[r.sample_id]), r.input_ids) for r in stored], job.expected)
+    stored_ids = {row.sample_id for row in stored}
     manifest, todo, stale = [], [], 0
-    for row in rows:
-        path = sample_path(job.store_dir, row.sample_id)
-        if not path.exists():
+    for row in shard.itertuples(index=False):
+        path = paths[row.sample_id]
+        if row.sample_id not in stored_ids:
             todo.append(row)
         elif row.sample_id in problems:
             path.unlink(missing_ok=True)
@@ -204,12 +205,6 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
         steps["checks"] += checked - waited
         progress.update(len(rows))
     progress.close()
-
-
-def file_problems(job: ExtractJob, rows: list) -> dict[str, list[str]]:
-    """The file contract on these rows' stored files, checked together."""
-    paths = [sample_path(job.store_dir, r.sample_id) for r in rows]
-    return judge([file_facts(r.sample_id, str(p), r.input_ids) for r, p in zip(rows, paths)], job.expected)
 
 
 def judge(facts: list[dict], expected: Expected) -> dict[str, list[str]]:

@@ -14,8 +14,8 @@ The states files are the exception to the fsyncs, not to the rename: an fsync pe
 writer threads held the extract stage to what the disk syncs file by file (on the H200: 8.6 GB in 512
 files, 2.0 GB/s synced against 26 GB/s into the page cache; extract at 0.77 of bare prefill). They are
 written with `durable=False`, which renames at once and has a background thread start the file's
-writeback (`start_writeback`), and the extract job makes the whole shard durable once (`make_durable`), before its manifest,
-the file that tells Snakemake the shard is done. A process crash (OOM, SLURM's kill, `kill -9`) still
+writeback (`start_writeback`), and the extract job makes the whole shard durable once (`make_durable`),
+before its manifest, the file that tells Snakemake the shard is done. A process crash (OOM, SLURM's kill, `kill -9`) still
 never leaves a file that looks whole; after a power loss before that point, a renamed file may have lost
 its data: ext4 and XFS then show it empty or short, the next run's header check finds it unreadable and
 computes the sample again, and the shard was never marked done.
@@ -52,8 +52,7 @@ def atomic_path(final_path: str | os.PathLike, durable: bool = True) -> Iterator
         yield str(tmp)
         kill_point(f"write:{final_path}")
         if durable and tmp.is_file():
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+            _fsync_file(tmp)
         os.replace(tmp, final_path)
         if durable:
             _fsync_dir(final_path.parent)
