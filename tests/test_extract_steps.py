@@ -1,5 +1,5 @@
-"""The extract stage's timed steps: files read while generate() runs, and the stats that say where the
-time went (generate, waiting for files, checking them, making the shard durable)."""
+"""The extract stage's timed steps: files checked while generate() runs (the watcher), host
+buffers reused by the connector, and the stats that say where the time went."""
 
 from __future__ import annotations
 
@@ -13,9 +13,16 @@ import torch
 from corruption import RUN
 from safetensors.torch import save_file
 
-from eagle3data.extract import FileWatcher
+from eagle3data.layers import parse_captures
+from eagle3data.pinned import PinnedBuffers
+from eagle3data.states import Expected
 from eagle3data.store import atomic_path, sample_path
 from eagle3data.synthetic import random_prompts
+from eagle3data.watcher import StatesWatcher
+
+EXPECTED = Expected(parse_captures([{"layer": 1, "point": "input"}, {"layer": 2, "point": "input"},
+                                    {"layer": 3, "point": "input"}, {"layer": 3, "point": "output"}], 4),
+                    8, "bfloat16")
 
 
 class Row:
@@ -23,32 +30,81 @@ class Row:
         self.sample_id, self.input_ids = sample_id, input_ids
 
 
-def write_states(path: Path, ids: list[int]) -> None:
+def write_states(path: Path, ids: list[int], hidden: int = 8) -> None:
     with atomic_path(path, durable=False) as tmp:
-        save_file({"hidden_states": torch.zeros(len(ids), 4, 8, dtype=torch.bfloat16),
+        save_file({"hidden_states": torch.zeros(len(ids), 4, hidden, dtype=torch.bfloat16),
                    "token_ids": torch.tensor(ids)}, tmp)
 
 
-def test_the_watcher_reads_each_file_once_it_is_renamed_into_place(tmp_path):
-    rows = [Row(sid, ids) for sid, ids in random_prompts(6, 5, 100).items()]
-    paths = [sample_path(tmp_path, r.sample_id) for r in rows]
+def batch(tmp_path, n: int, seed: int) -> tuple[list[Row], list[Path]]:
+    rows = [Row(sid, ids) for sid, ids in random_prompts(n, 5, 100, seed=seed).items()]
+    return rows, [sample_path(tmp_path, r.sample_id) for r in rows]
+
+
+def test_the_watcher_checks_each_file_once_it_is_renamed_into_place(tmp_path):
+    rows, paths = batch(tmp_path, 6, seed=1)
+    late_rows, late_paths = batch(tmp_path, 3, seed=2)
     write_states(paths[0], rows[0].input_ids)  # landed before generate() began
+    with StatesWatcher(EXPECTED, fail_samples=(late_rows[2].sample_id,)) as watcher:
+        watcher.expect(rows, paths)
 
-    def worker() -> None:  # what vLLM's writer threads do while generate() runs
-        for row, path in list(zip(rows, paths))[1:4]:
-            time.sleep(0.05)
-            write_states(path, row.input_ids)
+        def worker() -> None:  # what vLLM's writer threads do while generate() runs
+            for row, path in list(zip(rows, paths))[1:4]:
+                time.sleep(0.05)
+                write_states(path, row.input_ids)
 
-    with FileWatcher(rows, paths) as facts:
         writer = threading.Thread(target=worker)
         writer.start()
         writer.join()
-        time.sleep(0.1)
-    write_states(paths[4], rows[4].input_ids)  # landed after generate() returned: left to the caller
-    assert sorted(facts) == sorted(r.sample_id for r in rows[:4])
-    for row in rows[:4]:
-        assert facts[row.sample_id]["token_ids"] == row.input_ids
-        assert facts[row.sample_id]["shape"] == [5, 4, 8]
+        time.sleep(0.2)
+        assert sorted(watcher.whole()) == sorted(paths[:4])  # checked while "generate()" ran
+        watcher.expect(late_rows, late_paths)  # the next batch, handed over before the last one's files
+        write_states(paths[4], rows[4].input_ids[::-1])  # not the tokens asked for
+        write_states(late_paths[0], late_rows[0].input_ids, hidden=16)  # the wrong hidden size
+        write_states(late_paths[1], late_rows[1].input_ids)
+        write_states(late_paths[2], late_rows[2].input_ids)  # whole, but listed in testing.fail_samples
+        watcher.drop(rows[5].sample_id)  # failed elsewhere: its file never comes
+        problems = watcher.finish(timeout_s=5)
+    assert sorted(problems) == sorted([rows[4].sample_id, late_rows[0].sample_id, late_rows[2].sample_id])
+    assert "token_ids" in "\n".join(problems[rows[4].sample_id])
+    assert "16" in "\n".join(problems[late_rows[0].sample_id])
+    assert "failed on purpose" in problems[late_rows[2].sample_id][0]
+    assert sorted(watcher.whole()) == sorted(paths[:4] + late_paths[1:2])
+
+
+def test_the_connector_gathers_a_step_s_requests_in_groups_of_bounded_size():
+    from eagle3data.connector import _groups
+
+    class Pending:
+        def __init__(self, n: int):
+            self.token_ids = torch.zeros(n)
+
+    pendings = [Pending(n) for n in (3000, 1000, 100, 5000, 10, 4096)]
+    sizes = [[len(p.token_ids) for p in group] for group in _groups(pendings, 4096)]
+    assert sizes == [[3000, 1000], [100], [5000], [10], [4096]]
+    assert _groups([], 4096) == []
+
+
+def test_a_file_that_never_comes_is_a_failed_sample_named_with_its_path(tmp_path):
+    rows, paths = batch(tmp_path, 2, seed=3)
+    write_states(paths[0], rows[0].input_ids)
+    with StatesWatcher(EXPECTED) as watcher:
+        watcher.expect(rows, paths)
+        problems = watcher.finish(timeout_s=0.3)
+    assert list(problems) == [rows[1].sample_id]
+    assert f"did not write {paths[1]} within 0 s" in problems[rows[1].sample_id][0]
+
+
+def test_host_buffers_are_reused_and_the_engine_waits_when_all_are_in_use():
+    buffers = PinnedBuffers(2, max_tokens=8, per_token=(4, 3), dtype=torch.bfloat16, pin=False)
+    first, view = buffers.take(5)
+    assert view.shape == (5, 4, 3) and view.is_contiguous() and view.data_ptr() == first.data_ptr()
+    second, _ = buffers.take(8)
+    threading.Timer(0.2, buffers.give_back, [first]).start()  # a writer finishing its file
+    again, _ = buffers.take(1)
+    assert again is first and buffers.waited_seconds >= 0.1
+    with pytest.raises(ValueError, match="9 tokens does not fit buffers of 8 tokens"):
+        buffers.take(9)
 
 
 @pytest.mark.slow
@@ -56,7 +112,7 @@ def test_extract_stats_say_where_the_time_went(demo_run):
     for path in sorted((demo_run / RUN / "extract").glob("*.stats.json")):
         stats = json.loads(path.read_text())
         steps = {k: v for k, v in stats.items() if k.endswith("_seconds")}
-        assert set(steps) == {"generate_seconds", "files_seconds", "checks_seconds", "durable_seconds"}, stats
+        assert set(steps) == {f"{step}_seconds" for step in ("generate", "replies", "files", "durable")}
         assert all(v >= 0 for v in steps.values())
         assert stats["seconds"] == pytest.approx(sum(steps.values()))
         assert steps["generate_seconds"] > 0 and stats["computed"] > 0, stats

@@ -38,6 +38,22 @@ def test_deferred_writes_are_renamed_at_once_and_synced_by_make_durable(tmp_path
     assert sorted(synced) == sorted([str(p) for p in paths] + [str(tmp_path / "aa"), str(tmp_path / "bb")])
 
 
+def test_files_synced_early_are_not_synced_again_and_their_directories_are_synced_last(tmp_path, monkeypatch):
+    synced = record_fsyncs(monkeypatch)
+    paths = [store.sample_path(tmp_path, f"aa{i:06d}") for i in range(4)]
+    for path in paths[:3]:
+        with store.atomic_path(path, durable=False) as tmp:
+            Path(tmp).write_bytes(b"states")
+    paths[2].unlink()  # a failed sample, removed while its sync was coming
+    early = store.start_syncing(paths[:3]).result()
+    assert early == set(paths[:2]) and sorted(synced) == sorted(str(p) for p in paths[:2])
+    with store.atomic_path(paths[3], durable=False) as tmp:  # the last file, landed meanwhile
+        Path(tmp).write_bytes(b"states")
+    synced.clear()
+    store.make_durable([paths[0], paths[1], paths[3]], early)
+    assert synced == [str(paths[3]), str(tmp_path / "aa")]
+
+
 def test_durable_writes_sync_the_file_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
     synced = record_fsyncs(monkeypatch)
     store.atomic_write_text(tmp_path / "manifest.json", "{}")

@@ -2,10 +2,10 @@ r"""Figure 1: the extract stage's tokens/s against bare prefill of the same engi
 
 Four phases, each in its own process so the GPU is free between them:
   matmul   a bf16 matrix product's FLOP/s (the device's practical ceiling);
-  write    the store's write rate: as many files of the prompts' size, written as the connector writes
-           them (8 threads, `store.atomic_path` with writeback started, renamed) and made durable as
-           the extract job does (`store.make_durable`), and, beside it, plainly (no rename, no fsync:
-           the page cache's rate). Extract cannot outrun the first;
+  write    the store's write rate: files of the prompts' size (as many, at most 512), written as the
+           connector writes them (`engine.writer_threads` threads, `store.atomic_path` with writeback
+           started, renamed) and made durable as the extract job does (`store.make_durable`), and, beside
+           it, plainly (no rename, no fsync: the page cache's rate). Extract cannot outrun the first;
   bare     the engine as the pipeline configures it, minus capture and connector, prefilling the prompts
            in the pipeline's batches (`SamplingParams(max_tokens=1)`);
   extract  the pipeline's extract stage (`eagle3data.extract.run`) on the same prompts: capture, the
@@ -38,7 +38,7 @@ from eagle3data.crosscheck import parse_capture_arg, parse_engine_args
 from eagle3data.engine import installed_vllm
 
 PHASES = ("matmul", "write", "bare", "extract")
-WRITER_THREADS = 8  # vLLM's hidden-states connector's default `num_writer_threads`
+WRITE_FILES = 512  # at most, in the write phase: enough to measure a rate, not a second copy of the states
 
 
 def matmul_flops(device: str, size: int, repeats: int = 10) -> float:
@@ -135,9 +135,9 @@ def describe_steps(extract: dict) -> str:
     return ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in extract["seconds_by_step"].items())
 
 
-def store_write_rate(args, captures, hidden_size: int) -> dict:
-    """Seconds to write `args.prompts` files of `[tokens, captures, hidden]` states with the connector's
-    writer threads, as the store does (made durable at the end) and plainly; files removed after each."""
+def store_write_rate(args, captures, hidden_size: int, threads: int) -> dict:
+    """Seconds to write files of `[tokens, captures, hidden]` states with `threads` threads, as the
+    connector and the store do (made durable at the end) and plainly; files removed after each."""
     from safetensors.torch import save_file
 
     from eagle3data.store import atomic_path, make_durable, sample_path
@@ -154,12 +154,13 @@ def store_write_rate(args, captures, hidden_size: int) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path))
 
-    result = {"files": args.prompts, "bytes": states.numel() * states.element_size() * args.prompts}
+    files = min(args.prompts, WRITE_FILES)
+    result = {"files": files, "threads": threads, "bytes": states.numel() * states.element_size() * files}
     for name, write in (("store", store_way), ("plain", plain)):
-        paths = [sample_path(store, f"{i:08x}") for i in range(args.prompts)]
+        paths = [sample_path(store, f"{i:08x}") for i in range(files)]
         os.sync()
         began = time.perf_counter()
-        with ThreadPoolExecutor(WRITER_THREADS) as pool:
+        with ThreadPoolExecutor(threads) as pool:
             list(pool.map(write, paths))
         if write is store_way:
             make_durable(paths)
@@ -179,9 +180,9 @@ def run_phase(args) -> dict:
         return {"flops_per_second": matmul_flops(args.device, args.matmul_size)}
     info = read_model_info(args.model)
     captures = parse_captures(args.captures, info.num_hidden_layers)
-    if args.phase == "write":
-        return store_write_rate(args, captures, info.hidden_size)
     engine = engine_config({"device": args.device, **parse_engine_args(args.engine)})
+    if args.phase == "write":
+        return store_write_rate(args, captures, info.hidden_size, engine["writer_threads"])
     prompts = random_prompts(args.prompts, args.tokens, min(info.vocab_size, 30000), seed=7)
     phase = bare_prefill if args.phase == "bare" else pipeline_extract
     return phase(args, engine, prompts, captures)
@@ -229,7 +230,7 @@ def main() -> None:
         "bytes_on_disk_per_raw_byte": result["extract"]["bytes_on_disk_per_raw_byte"],
         # The store's durable write rate / the rate bare prefill would need: below 1, the disk limits extract.
         "store_write_over_bare_need": result["write"]["store_bytes_per_second"]
-        / (result["bare"]["tokens_per_second"] * result["write"]["bytes"] / (args.tokens * args.prompts)),
+        / (result["bare"]["tokens_per_second"] * result["write"]["bytes"] / (args.tokens * result["write"]["files"])),
         "store_durable_over_plain": result["write"]["store_bytes_per_second"]
         / result["write"]["plain_bytes_per_second"],
     }
@@ -243,7 +244,7 @@ def main() -> None:
           f"{result['matmul']['flops_per_second'] / 1e12:.2f} TFLOP/s = {f['bare_over_matmul']:.3f}")
     print(f"bytes on disk / raw states = {f['bytes_on_disk_per_raw_byte']:.5f} ({e['files']} files)")
     w = result["write"]
-    print(f"store writes {w['store_bytes_per_second'] / 1e9:.2f} GB/s durably ({WRITER_THREADS} threads; plainly "
+    print(f"store writes {w['store_bytes_per_second'] / 1e9:.2f} GB/s durably ({w['threads']} threads; plainly "
           f"{w['plain_bytes_per_second'] / 1e9:.2f}) = {f['store_write_over_bare_need']:.2f} x what bare prefill's "
           f"rate needs")
 

@@ -77,6 +77,8 @@ def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_
                 "shared_storage_path": store_dir,
                 "allow_custom_save_path": True,
                 "use_synchronization_lock": False,
+                "num_writer_threads": engine["writer_threads"],
+                "host_buffer_gib": engine["host_buffer_gib"],
             },
         },
     )

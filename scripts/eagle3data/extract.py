@@ -11,8 +11,8 @@ manifest (failed_samples.py). The shard's manifest is written last, only when ev
 from __future__ import annotations
 
 import json
-import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,8 +24,9 @@ from eagle3data import engine as engine_mod
 from eagle3data.logs import get_logger
 from eagle3data.schemas import BoundaryError, ExtractManifest, TokenizedShard, check
 from eagle3data.states import Expected, file_facts, judge_files
-from eagle3data.store import atomic_path, atomic_write_text, make_durable, sample_path
-from eagle3data.testing import FailedOnPurpose, fail_on_purpose, kill_point
+from eagle3data.store import atomic_path, atomic_write_text, make_durable, sample_path, start_syncing
+from eagle3data.testing import kill_point
+from eagle3data.watcher import StatesWatcher
 
 logger = get_logger(__name__)
 
@@ -60,20 +61,11 @@ def check_reply(sample_id: str, reply, expected_path: str) -> None:
         )
 
 
-def wait_for_file(path: Path, timeout_s: float) -> None:
-    """The worker may still be writing (asynchronously on GPU); the rename makes the file appear whole."""
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the engine did not write {path} within {timeout_s:.0f} s")
-        time.sleep(0.01)
-
-
 def reuse_or_clear(job: ExtractJob, shard: pd.DataFrame) -> tuple[list, list]:
     """(manifest rows of the samples whose stored file is whole and holds their tokens, rows to compute).
 
     A stored file that does not match (tokens changed with max_seq_len or the template, or the file is
-    damaged) is removed first: `wait_for_file` must see only the file the engine writes for this run.
+    damaged) is removed first: the watcher must see only the file the engine writes for this run.
     """
     paths = {sample_id: sample_path(job.store_dir, sample_id) for sample_id in shard["sample_id"]}
     stored = [row for row in shard.itertuples(index=False) if paths[row.sample_id].exists()]
@@ -102,10 +94,11 @@ def run(job: ExtractJob) -> dict:
     manifest, todo = reuse_or_clear(job, shard)
     check_disk(job, shard, todo)
     failed: dict[str, str] = {}
-    steps = {"generate": 0.0, "files": 0.0, "checks": 0.0, "durable": 0.0}  # seconds of each timed step
+    steps = dict.fromkeys(["generate", "replies", "files", "durable"], 0.0)  # seconds of each timed step
+    syncing = None
     try:
         if todo:
-            _compute(job, todo, failed, steps)
+            syncing = _compute(job, todo, failed, steps)
     finally:  # what failed is on record even when the job dies after it
         if failed:
             failed_samples.write(job.manifest, job.tokenized, failed, len(shard), len(manifest))
@@ -116,7 +109,8 @@ def run(job: ExtractJob) -> dict:
     manifest += [(r.sample_id, r.num_tokens, str(sample_path(job.store_dir, r.sample_id)), "computed")
                  for r in todo]
     began = time.perf_counter()  # part of the stage's time: the shard is not done before it is durable
-    make_durable([Path(path) for _, _, path, _ in manifest])  # reused files too: a killed run wrote them
+    synced = syncing.result() if syncing else set()
+    make_durable([Path(path) for _, _, path, _ in manifest], synced)  # reused files too: a killed run wrote them
     steps["durable"] = time.perf_counter() - began
     seconds = sum(steps.values())
     computed_tokens = int(sum(r.num_tokens for r in todo))
@@ -150,9 +144,12 @@ def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
                               job.storage["check_free_space"])
 
 
-def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[str, float]) -> None:
+def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[str, float]) -> Future:
     """Compute `todo` in batches; each sample that fails goes to `failed` (id -> reason), file removed.
-    Adds the seconds of generate(), of waiting for the files, and of checking them, to `steps`."""
+    Each batch's generate() starts as soon as the last one returned: the watcher (watcher.py) checks the
+    files meanwhile. Adds to `steps` the seconds of generate() and of checking its replies, then of
+    waiting for the shard's last files and checking them. Returns the fsyncs of the files found whole
+    before that wait (`store.start_syncing`), started when it began: the disk syncs while they come."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -170,41 +167,39 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
     kill_point("extract:engine_ready")
     batch = job.engine["batch_samples"]
     progress = tqdm(total=len(todo), desc="extract", unit="sample", mininterval=5)
-    for start in range(0, len(todo), batch):
-        rows = todo[start : start + batch]
-        paths = [sample_path(job.store_dir, r.sample_id) for r in rows]
-        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in r.input_ids]) for r in rows]
-        params = [
-            SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"hidden_states_path": str(p)}})
-            for p in paths
-        ]
-        began = time.perf_counter()
-        with FileWatcher(rows, paths) as landed_facts:
+    with StatesWatcher(job.expected, job.fail_samples) as watcher:
+        for start in range(0, len(todo), batch):
+            rows = todo[start : start + batch]
+            paths = [sample_path(job.store_dir, r.sample_id) for r in rows]
+            prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in r.input_ids]) for r in rows]
+            params = [
+                SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"hidden_states_path": str(p)}})
+                for p in paths
+            ]
+            watcher.expect(rows, paths)
+            began = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
-        generated = time.perf_counter()
-        if len(outputs) != len(rows):
-            raise BoundaryError(f"engine returned {len(outputs)} outputs for {len(rows)} prompts")
-        facts = []
-        for row, path, output in zip(rows, paths, outputs):
-            try:
-                check_reply(row.sample_id, output.kv_transfer_params, str(path))
-                if row.sample_id not in landed_facts:
-                    wait_for_file(path, job.engine["file_timeout_s"])  # may land after the reply
-                    landed_facts[row.sample_id] = file_facts(row.sample_id, str(path), row.input_ids)
-                fail_on_purpose(row.sample_id, job.fail_samples)
-                facts.append(landed_facts[row.sample_id])
-            except (BoundaryError, FailedOnPurpose) as exc:
-                _fail(row.sample_id, str(exc), path, failed)
-        waited = time.perf_counter()
-        for sample_id, problems in judge(facts, job.expected).items():
-            _fail(sample_id, "\n".join(problems), sample_path(job.store_dir, sample_id), failed)
-        kill_point("extract:batch_done")
-        checked = time.perf_counter()
-        steps["generate"] += generated - began
-        steps["files"] += waited - generated
-        steps["checks"] += checked - waited
-        progress.update(len(rows))
+            generated = time.perf_counter()
+            if len(outputs) != len(rows):
+                raise BoundaryError(f"engine returned {len(outputs)} outputs for {len(rows)} prompts")
+            for row, path, output in zip(rows, paths, outputs):
+                try:
+                    check_reply(row.sample_id, output.kv_transfer_params, str(path))
+                except BoundaryError as exc:
+                    watcher.drop(row.sample_id)
+                    _fail(row.sample_id, str(exc), path, failed)
+            kill_point("extract:batch_done")
+            steps["generate"] += generated - began
+            steps["replies"] += time.perf_counter() - generated
+            progress.update(len(rows))
+        began = time.perf_counter()
+        syncing = start_syncing(watcher.whole())
+        problems = watcher.finish(job.engine["file_timeout_s"])
+    steps["files"] += time.perf_counter() - began
+    for sample_id, reasons in problems.items():
+        _fail(sample_id, "\n".join(reasons), sample_path(job.store_dir, sample_id), failed)
     progress.close()
+    return syncing
 
 
 def judge(facts: list[dict], expected: Expected) -> dict[str, list[str]]:
@@ -213,37 +208,6 @@ def judge(facts: list[dict], expected: Expected) -> dict[str, list[str]]:
     if "-" in problems:
         raise BoundaryError("\n".join(problems["-"]))
     return problems
-
-
-class FileWatcher:
-    """While generate() runs, reads each batch file's header and token ids (`states.file_facts`) as soon
-    as the worker renames it into place (a file that exists is whole): after generate() returns, only
-    the last few are left to wait for and read. `with FileWatcher(rows, paths) as facts:` fills the
-    dict `facts` (sample id -> facts) until the block ends."""
-
-    def __init__(self, rows: list, paths: list[Path]):
-        self.facts: dict[str, dict] = {}
-        self._pending = list(zip(rows, paths))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="eagle3data-file-watcher", daemon=True)
-
-    def __enter__(self) -> dict[str, dict]:
-        self._thread.start()
-        return self.facts
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _watch(self) -> None:
-        while self._pending and not self._stop.wait(0.005):
-            waiting = []
-            for row, path in self._pending:
-                if path.exists():
-                    self.facts[row.sample_id] = file_facts(row.sample_id, str(path), row.input_ids)
-                else:
-                    waiting.append((row, path))
-            self._pending = waiting
 
 
 def _fail(sample_id: str, reason: str, path: Path, failed: dict[str, str]) -> None:

@@ -30,7 +30,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from eagle3data.logs import get_logger
@@ -97,12 +97,31 @@ def _write_back(path: Path) -> None:
         os.close(fd)
 
 
-def make_durable(paths: list[Path], threads: int = 8) -> None:
-    """fsync these files, then their directories (their renames), `threads` at a time: what
-    `atomic_path(..., durable=False)` left to do, done once for many files."""
+def make_durable(paths: list[Path], synced: set[Path] = frozenset(), threads: int = 8) -> None:
+    """fsync these files (but those in `synced`: `start_syncing` did them), then their directories (their
+    renames), `threads` at a time: what `atomic_path(..., durable=False)` left to do, done once."""
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(_fsync_file, paths))
+        list(pool.map(_fsync_file, [p for p in paths if Path(p) not in synced]))
         list(pool.map(_fsync_dir, sorted({Path(p).parent for p in paths})))
+
+
+def start_syncing(paths: list[Path], threads: int = 8) -> Future:
+    """Start fsyncing these files in the background, e.g. while the last ones are still being written;
+    the result: the set of those synced (a file removed meanwhile is skipped). Directories are left to
+    `make_durable`, once every rename is done."""
+
+    def sync(path: Path) -> Path | None:
+        try:
+            _fsync_file(path)
+        except FileNotFoundError:
+            return None
+        return Path(path)
+
+    def sync_all() -> set[Path]:
+        with ThreadPoolExecutor(threads) as pool:
+            return {p for p in pool.map(sync, paths) if p is not None}
+
+    return _syncing.submit(sync_all)
 
 
 def _fsync_file(path: Path) -> None:
@@ -122,6 +141,7 @@ def _load_sync_file_range():
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>
 _sync_file_range = _load_sync_file_range()
 _writeback = ThreadPoolExecutor(1, thread_name_prefix="eagle3data-writeback")
+_syncing = ThreadPoolExecutor(1, thread_name_prefix="eagle3data-sync")
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -5,9 +5,10 @@
 - `EAGLE3DATA_TEST_KILL_AT=<pattern>[#n]` in the environment: the n-th time (default 1) this process
   reaches a point whose name matches the glob `pattern`, it SIGKILLs its whole process group: started
   in its own session, that is the whole `snakemake` run, as a node crash or `kill -9` would. Points:
-  `extract:engine_ready` (before the first sample), `extract:batch_done` (after each batch's samples
-  are checked), `write:<final path>` (a file written in full under its temporary name, not yet renamed:
-  `store.atomic_path`, in whichever process writes it, vLLM's worker included).
+  `extract:engine_ready` (before the first sample), `extract:batch_done` (after each batch's
+  generate() returned and its replies were checked; its files are checked as they land), `write:<final
+  path>` (a file written in full under its temporary name, not yet renamed: `store.atomic_path`, in
+  whichever process writes it, vLLM's worker included).
 """
 
 from __future__ import annotations

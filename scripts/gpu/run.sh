@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs of docs/gpu-run.md, one step per device call (each ends well inside 10 minutes):
 #   bash scripts/gpu/run.sh kimi       Kimi-K2.5-shaped model (dummy weights) through the workflow, TP1
-#   bash scripts/gpu/run.sh bench      figure 1 on an 8B Llama shape (dummy weights), TP1
+#   bash scripts/gpu/run.sh bench      figure 1 on an 8B Llama shape (dummy weights), TP1; BENCH_ENGINE adds
+#                                      engine settings (e.g. writer_threads=16)
 #   bash scripts/gpu/run.sh figures    figures 1 and 7 of the benchmark command, same shape and engine
 #   bash scripts/gpu/run.sh deepseek   small DeepSeek-V3 vs transformers; TP1 vs TP2 (needs 2 GPUs)
 #   bash scripts/gpu/run.sh kimi bench several steps in one call
@@ -33,9 +34,9 @@ case "$what" in
     ;;
   bench)
     step bench llama-8b
-    timeout 400 python3 -m eagle3data.bench_extract --shape llama-8b --model /tmp/llama-8b \
-      --captures 2:input,16:input,29:input,31:output --prompts 512 --tokens 512 \
-      --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
+    timeout 540 python3 -m eagle3data.bench_extract --shape llama-8b --model /tmp/llama-8b \
+      --captures 2:input,16:input,29:input,31:output --prompts 2048 --tokens 512 \
+      --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 ${BENCH_ENGINE:-} \
       --work /tmp/bench --out "$OUT/bench-llama8b.json" > /tmp/bench.log 2>&1
     echo "bench: exit $?"; tail -n 6 /tmp/bench.log; cp /tmp/bench.log "$OUT/log-bench.txt"
     rm -rf /tmp/bench
@@ -44,7 +45,7 @@ case "$what" in
     step figures 1,7
     python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     timeout 500 python3 -m eagle3data.benchmark --figures 1,7 --device cuda --model /tmp/llama-8b \
-      --captures 2:input,16:input,29:input,31:output --prompts 512 --tokens 512 --conversations 2048 \
+      --captures 2:input,16:input,29:input,31:output --prompts 2048 --tokens 512 --conversations 2048 \
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
       --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
     echo "benchmark: exit $?"; tail -n 4 /tmp/figures.log
