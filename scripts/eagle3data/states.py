@@ -13,13 +13,13 @@ import contextlib
 import json
 import math
 import os
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import torch
+from isal import isal_zlib
 from safetensors import safe_open
 
 from eagle3data.failures import validate
@@ -84,11 +84,12 @@ def checksum(x: torch.Tensor) -> str:
 
 def _crc(x: torch.Tensor, crc: int = 0) -> int:
     """`crc` continued over x's bytes. Row by row in place: a capture is a strided slice of the file's
-    tensor, and copying it costs more than the CRC."""
+    tensor, and copying it costs more than the CRC. ISA-L's CRC32 (the same values as zlib's) runs at
+    ~22 GB/s over 14 KB rows here, zlib's at ~6: it was the largest cost of validating a sample."""
     if x.dim() < 2 or x.stride(-1) != 1:
-        return zlib.crc32(x.contiguous().view(torch.uint8).numpy(), crc)
+        return isal_zlib.crc32(x.contiguous().view(torch.uint8).numpy(), crc)
     for row in x.reshape(-1, x.shape[-1]).view(torch.uint8).numpy():
-        crc = zlib.crc32(row, crc)
+        crc = isal_zlib.crc32(row, crc)
     return crc
 
 
