@@ -72,6 +72,27 @@ def test_the_watcher_checks_each_file_once_it_is_renamed_into_place(tmp_path):
     assert sorted(watcher.whole()) == sorted(paths[:4] + late_paths[1:2])
 
 
+def test_one_gather_for_several_requests_gives_each_request_its_own_states():
+    """Batching must not scramble per-request states: each request's view of the one gather equals what
+    vLLM's extract_from_kv_cache gives for that request alone, on a cache of vLLM's own layout."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import extract_from_kv_cache
+
+    from eagle3data.connector import gather_requests, request_slots
+
+    block_size, blocks = 16, 40
+    generator = torch.Generator().manual_seed(0)
+    cache = torch.randn(blocks, 4, block_size, 8, generator=generator)  # [blocks, captures, block, H] (0.32)
+    requests = [([7, 3], 20), ([0], 16), ([12, 30, 5], 33), ([39], 1)]  # (block ids, tokens)
+    slots = [request_slots(ids, block_size, tokens) for ids, tokens in requests]
+    assert list(slots[0][:3]) == [7 * 16, 7 * 16 + 1, 7 * 16 + 2] and slots[0][16] == 3 * 16
+    parts = gather_requests(cache, slots)
+    assert [tuple(p.shape) for p in parts] == [(20, 4, 8), (16, 4, 8), (33, 4, 8), (1, 4, 8)]
+    for part, request_slot in zip(parts, slots):
+        alone = extract_from_kv_cache(cache, torch.from_numpy(request_slot), len(request_slot))
+        assert torch.equal(part, alone)
+    assert not torch.equal(parts[0][:16], parts[1])  # different requests, different states
+
+
 def test_the_connector_gathers_a_step_s_requests_in_groups_of_bounded_size():
     from eagle3data.connector import _groups
 

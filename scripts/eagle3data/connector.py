@@ -63,7 +63,6 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
         self._buffers = None
-        self._offsets = np.arange(self._block_size, dtype=np.int64)
         self._queued, self._seconds = 0, 0.0  # requests queued on GPU; the engine thread's time in here
         if self._is_tp_rank_zero and self._kv_cache.is_cuda:
             one_slot = torch.zeros(1, dtype=torch.long, device=self._kv_cache.device)
@@ -80,11 +79,6 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             self._kv_cache.dtype,
             self._kv_cache.device,
         )
-
-    def _slots(self, pending: PendingSave) -> np.ndarray:
-        """The cache slots holding the request's states, token by token."""
-        block_ids = np.asarray(pending.block_ids, dtype=np.int64)
-        return (block_ids[:, None] * self._block_size + self._offsets).ravel()[: pending.token_ids.shape[0]]
 
     @staticmethod
     def _write_tensors(tensors, event, filename, lock_fd) -> None:
@@ -115,7 +109,8 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             return
         assert self._kv_cache is not None
         num_tokens = pending.token_ids.shape[0]
-        states = extract_from_kv_cache(self._kv_cache, torch.from_numpy(self._slots(pending)), num_tokens).clone()
+        slots = torch.from_numpy(request_slots(pending.block_ids, self._block_size, num_tokens))
+        states = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
         tensors = {"hidden_states": states, "token_ids": pending.token_ids.clone()}
         self._write_tensors(tensors, _AlreadyDone(), pending.filename, self._lock_fds.pop(pending.req_id, None))
         self._req_copy_events[pending.req_id] = _AlreadyDone()
@@ -127,16 +122,14 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         thread waits for its group's copies, writes the file and gives the buffer back."""
         stream = self._get_copy_stream()
         stream.wait_stream(torch.cuda.current_stream())
+        device = self._kv_cache.device
         for group in _groups(pendings, GATHER_TOKENS):
-            slots = np.concatenate([self._slots(p) for p in group])
+            slots = [request_slots(p.block_ids, self._block_size, p.token_ids.shape[0]) for p in group]
             taken = [self._buffers.take(p.token_ids.shape[0]) for p in group]
             with torch.cuda.stream(stream):
-                on_device = torch.from_numpy(slots).pin_memory().to(self._kv_cache.device, non_blocking=True)
-                states = extract_from_kv_cache(self._kv_cache, on_device, len(slots))
-                start = 0
-                for (_, host), pending in zip(taken, group):
-                    host.copy_(states[start : start + host.shape[0]], non_blocking=True)
-                    start += host.shape[0]
+                parts = gather_requests(self._kv_cache, slots, lambda t: t.pin_memory().to(device, non_blocking=True))
+                for (_, host), part in zip(taken, parts):
+                    host.copy_(part, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
             for (buffer, host), pending in zip(taken, group):
@@ -165,6 +158,19 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             logger.info("states of %d requests queued for writing: %.3f s on the engine's thread (%.3f s of "
                         "it waiting for a free host buffer)", self._queued, self._seconds,
                         self._buffers.waited_seconds)
+
+
+def request_slots(block_ids: list[int], block_size: int, tokens: int) -> np.ndarray:
+    """The cache slots holding a request's states, token by token: its blocks' slots, in order."""
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    return (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).ravel()[:tokens]
+
+
+def gather_requests(kv_cache: torch.Tensor, slots: list[np.ndarray], upload=lambda t: t) -> list[torch.Tensor]:
+    """Several requests' states in one gather from the cache: one `[T_i, n_captures, H]` view per
+    request, in order. `upload` moves the slot indices to the cache's device."""
+    states = extract_from_kv_cache(kv_cache, upload(torch.from_numpy(np.concatenate(slots))), sum(map(len, slots)))
+    return list(torch.split(states, [len(s) for s in slots]))
 
 
 def _groups(pendings: list[PendingSave], tokens: int) -> list[list[PendingSave]]:
