@@ -125,7 +125,7 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         device = self._kv_cache.device
         for group in _groups(pendings, GATHER_TOKENS):
             slots = [request_slots(p.block_ids, self._block_size, p.token_ids.shape[0]) for p in group]
-            taken = [self._buffers.take(p.token_ids.shape[0]) for p in group]
+            taken = [self._buffers.take(p.token_ids.shape[0], f"states for {p.filename}") for p in group]
             with torch.cuda.stream(stream):
                 parts = gather_requests(self._kv_cache, slots, lambda t: t.pin_memory().to(device, non_blocking=True))
                 for (_, host), part in zip(taken, parts):

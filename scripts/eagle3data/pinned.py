@@ -33,24 +33,24 @@ class PinnedBuffers:
         for _ in range(count):
             self._free.put(torch.empty((max_tokens, *per_token), dtype=dtype, pin_memory=pin))
         self.waited_seconds = 0.0
-        self._warned = False
         size = count * max_tokens * torch.Size(per_token).numel() * dtype.itemsize
         logger.info("%d %s host buffers of [%d, %s] %s (%.2f GiB) in %.2f s", count,
                     "pinned" if pin else "plain", max_tokens, ", ".join(map(str, per_token)), dtype,
                     size / 2**30, time.perf_counter() - began)
 
-    def take(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(buffer, its first `tokens` rows): fill the view, hand the buffer to `give_back` when done."""
+    def take(self, tokens: int, request: str = "a request") -> tuple[torch.Tensor, torch.Tensor]:
+        """(buffer, its first `tokens` rows): fill the view, hand the buffer to `give_back` when done.
+        `request` names it in the error when it does not fit."""
         if not 0 < tokens <= self.max_tokens:
-            raise ValueError(f"a request of {tokens} tokens does not fit buffers of {self.max_tokens} tokens")
+            raise ValueError(f"{request}: {tokens} tokens does not fit buffers of {self.max_tokens} tokens")
         try:
             buffer = self._free.get_nowait()
         except queue.Empty:
             began = time.perf_counter()
             buffer = self._free.get()
+            first_wait = self.waited_seconds == 0
             self.waited_seconds += time.perf_counter() - began
-            if not self._warned:
-                self._warned = True
+            if first_wait:
                 logger.warning("all %d host buffers were waiting to be written: the engine waited %.3f s for "
                                "the writers (the disk is slower than prefill here, or raise "
                                "engine.host_buffer_gib)", self.count, self.waited_seconds)

@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-from eagle3data.schemas import BoundaryError
 from eagle3data.states import Expected, file_facts, judge_files
 from eagle3data.testing import FailedOnPurpose, fail_on_purpose
 
@@ -88,8 +87,6 @@ class StatesWatcher:
     def _check(self, landed: list) -> None:
         facts = [file_facts(sid, str(path), row.input_ids) for sid, row, path in landed]
         problems = judge_files(facts, self.expected)
-        if "-" in problems:  # the table itself failed: our bug, never a sample's
-            raise BoundaryError("\n".join(problems["-"]))
         for sample_id, _, _ in landed:
             try:
                 fail_on_purpose(sample_id, self.fail_samples)
