@@ -137,3 +137,4 @@ def test_extract_stats_say_where_the_time_went(demo_run):
         assert all(v >= 0 for v in steps.values())
         assert stats["seconds"] == pytest.approx(sum(steps.values()))
         assert steps["generate_seconds"] > 0 and stats["computed"] > 0, stats
+        assert 0 <= stats["files_to_come_after_generate"] <= stats["computed"], stats

@@ -23,6 +23,7 @@ Loaded by vLLM in the engine's worker process via `kv_connector_module_path`.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from functools import partial
 
@@ -64,6 +65,8 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         super().register_kv_caches(kv_caches)
         self._buffers = None
         self._queued, self._seconds = 0, 0.0  # requests queued on GPU; the engine thread's time in here
+        self._writers = {"files": 0, "copy_wait": 0.0, "write": 0.0}  # summed over the writer threads
+        self._writers_lock = threading.Lock()
         if self._is_tp_rank_zero and self._kv_cache.is_cuda:
             one_slot = torch.zeros(1, dtype=torch.long, device=self._kv_cache.device)
             per_token = tuple(extract_from_kv_cache(self._kv_cache, one_slot, 1).shape[1:])  # [n_captures, H]
@@ -143,10 +146,17 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
                 future.add_done_callback(partial(self._on_write_done, pending.req_id))
 
     def _write_and_give_back(self, buffer: torch.Tensor, tensors, copied, filename: str, lock_fd) -> None:
+        began = time.perf_counter()
         try:
+            copied.synchronize()
+            waited = time.perf_counter() - began
             self._write_tensors(tensors, copied, filename, lock_fd)
         finally:
             self._buffers.give_back(buffer)
+        with self._writers_lock:
+            self._writers["files"] += 1
+            self._writers["copy_wait"] += waited
+            self._writers["write"] += time.perf_counter() - began - waited
 
     def _count(self, requests: int, seconds: float) -> None:
         """Log, every LOG_EVERY requests, the time the engine's own thread spent queueing copies and
@@ -155,9 +165,12 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         self._queued += requests
         self._seconds += seconds
         if self._queued // LOG_EVERY > before:
+            with self._writers_lock:
+                writers = dict(self._writers)
             logger.info("states of %d requests queued for writing: %.3f s on the engine's thread (%.3f s of "
-                        "it waiting for a free host buffer)", self._queued, self._seconds,
-                        self._buffers.waited_seconds)
+                        "it waiting for a free host buffer); %d files written, the writer threads' seconds: "
+                        "%.2f waiting for copies, %.2f writing", self._queued, self._seconds,
+                        self._buffers.waited_seconds, writers["files"], writers["copy_wait"], writers["write"])
 
 
 def request_slots(block_ids: list[int], block_size: int, tokens: int) -> np.ndarray:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,10 +94,13 @@ def run(job: ExtractJob) -> dict:
     check_disk(job, shard, todo)
     failed: dict[str, str] = {}
     steps = dict.fromkeys(["generate", "replies", "files", "durable"], 0.0)  # seconds of each timed step
-    syncing = None
+    began = time.perf_counter()
+    make_durable([Path(path) for _, _, path, _ in manifest])  # reused files too: a killed run wrote them
+    steps["durable"] += time.perf_counter() - began
+    files_after_generate = 0
     try:
         if todo:
-            syncing = _compute(job, todo, failed, steps)
+            files_after_generate = _compute(job, todo, failed, steps)
     finally:  # what failed is on record even when the job dies after it
         if failed:
             failed_samples.write(job.manifest, job.tokenized, failed, len(shard), len(manifest))
@@ -108,10 +110,6 @@ def run(job: ExtractJob) -> dict:
     failed_samples.clear(job.manifest)
     manifest += [(r.sample_id, r.num_tokens, str(sample_path(job.store_dir, r.sample_id)), "computed")
                  for r in todo]
-    began = time.perf_counter()  # part of the stage's time: the shard is not done before it is durable
-    synced = syncing.result() if syncing else set()
-    make_durable([Path(path) for _, _, path, _ in manifest], synced)  # reused files too: a killed run wrote them
-    steps["durable"] = time.perf_counter() - began
     seconds = sum(steps.values())
     computed_tokens = int(sum(r.num_tokens for r in todo))
     stats = {
@@ -122,6 +120,7 @@ def run(job: ExtractJob) -> dict:
         "seconds": seconds,
         "tokens_per_second": computed_tokens / seconds if computed_tokens else None,
         **{f"{step}_seconds": value for step, value in steps.items()},
+        "files_to_come_after_generate": files_after_generate,
     }
     df = pd.DataFrame(manifest, columns=["sample_id", "num_tokens", "path", "status"])
     df = check(ExtractManifest, df, f"extract manifest for {job.tokenized}")
@@ -144,12 +143,15 @@ def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
                               job.storage["check_free_space"])
 
 
-def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[str, float]) -> Future:
+def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[str, float]) -> int:
     """Compute `todo` in batches; each sample that fails goes to `failed` (id -> reason), file removed.
     Each batch's generate() starts as soon as the last one returned: the watcher (watcher.py) checks the
-    files meanwhile. Adds to `steps` the seconds of generate() and of checking its replies, then of
-    waiting for the shard's last files and checking them. Returns the fsyncs of the files found whole
-    before that wait (`store.start_syncing`), started when it began: the disk syncs while they come."""
+    files meanwhile. Adds to `steps` the seconds of generate() and of checking its replies, of waiting
+    for the shard's last files and checking them (the files found whole before start syncing then:
+    `store.start_syncing`), and of making every computed file durable. That last step runs before the
+    engine stops, so that its clock holds the whole wait for the disk: during a shutdown (5 s on the
+    H200) the disk would flush the shard's last gigabyte unseen. Returns how many files were still to
+    come when the last generate() returned (how far the writes trailed the GPU)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -193,13 +195,18 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
             steps["replies"] += time.perf_counter() - generated
             progress.update(len(rows))
         began = time.perf_counter()
-        syncing = start_syncing(watcher.whole())
+        syncing, to_come = start_syncing(watcher.whole()), watcher.pending()
         problems = watcher.finish(job.engine["file_timeout_s"])
     steps["files"] += time.perf_counter() - began
+    logger.info("%d of %d files were still to come when the last generate() returned; they took %.2f s",
+                to_come, len(todo), steps["files"])
     for sample_id, reasons in problems.items():
         _fail(sample_id, "\n".join(reasons), sample_path(job.store_dir, sample_id), failed)
     progress.close()
-    return syncing
+    began = time.perf_counter()
+    make_durable(watcher.whole(), syncing.result())
+    steps["durable"] += time.perf_counter() - began
+    return to_come
 
 
 def _fail(sample_id: str, reason: str, path: Path, failed: dict[str, str]) -> None:

@@ -4,7 +4,7 @@ whole), on a thread of its own, while the engine computes the next samples.
 The extract job hands each batch's samples to the watcher and starts the next generate() at once: it
 waits for files and checks only once, for the shard's last few files, instead of after every batch.
 Nothing is fsynced here: on the H200, fsyncs file by file beside vLLM's writes fell behind them (0.74 s
-left to wait for after 25 s of prefill; store.make_durable's one pass at the shard's end takes 0.05 s).
+left to wait for after 25 s of prefill); the extract job syncs the files in bulk instead (store.py).
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ class StatesWatcher:
         """The files checked and found whole so far."""
         with self._lock:
             return list(self._whole.values())
+
+    def pending(self) -> int:
+        """How many expected files have not landed or not been checked yet."""
+        with self._lock:
+            return len(self._pending)
 
     def finish(self, timeout_s: float) -> dict[str, list[str]]:
         """Wait until every expected file has landed and been checked, or `timeout_s` has passed (the
