@@ -138,7 +138,7 @@ class StoreSampler:
     """Every 50 ms while the extract stage runs: seconds, states files in the store, and the kernel's
     dirty and under-writeback bytes (/proc/meminfo). Says where the time after the last generate() goes:
     files the engine had still to write, or bytes the disk had still to take (on the H200: ~1 GB dirty
-    at the end, the last two engine steps' files, synced at ~2.2 GB/s)."""
+    at the end, about three engine steps' files, synced at ~2.2 GB/s)."""
 
     def __init__(self, store: Path, every: float = 0.05):
         self.store, self.every, self.samples = store, every, []
