@@ -113,12 +113,13 @@ def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
     from eagle3data.extract import ExtractJob, run
     from eagle3data.model_info import read_model_info
     from eagle3data.states import Expected
+    from eagle3data.store import sample_path
     from eagle3data.synthetic import write_token_shard
 
     work = Path(args.work)
     write_token_shard(str(work / "shard.parquet"), prompts)
     info = read_model_info(args.model)
-    with StoreSampler(work / "store") as sampler:
+    with StoreSampler([sample_path(work / "store", sample_id) for sample_id in prompts]) as sampler:
         stats = run(ExtractJob(str(work / "shard.parquet"), str(work / "manifest.parquet"),
                                str(work / "stats.json"), str(work / "store"), args.model, False,
                                Expected(captures, info.hidden_size, args.dtype), args.tokens, engine))
@@ -135,13 +136,14 @@ def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
 
 
 class StoreSampler:
-    """Every 50 ms while the extract stage runs: seconds, states files in the store, and the kernel's
-    dirty and under-writeback bytes (/proc/meminfo). Says where the time after the last generate() goes:
-    files the engine had still to write, or bytes the disk had still to take (on the H200: ~1 GB dirty
-    at the end, about three engine steps' files, synced at ~2.2 GB/s)."""
+    """Every 50 ms while the extract stage runs: seconds, how many of `paths` (the samples' states files)
+    are in the store, and the kernel's dirty and under-writeback bytes (/proc/meminfo). Says where the
+    time after the last generate() goes: files the engine had still to write, or bytes the disk had still
+    to take (on the H200: ~1 GB dirty at the end, about three engine steps' files, synced at ~2.2 GB/s)."""
 
-    def __init__(self, store: Path, every: float = 0.05):
-        self.store, self.every, self.samples = store, every, []
+    def __init__(self, paths: list[Path], every: float = 0.05):
+        self.every, self.samples = every, []
+        self._directories, self._names = sorted({p.parent for p in paths}), {p.name for p in paths}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -164,8 +166,7 @@ class StoreSampler:
 
     def _sample(self) -> None:
         while True:
-            files = sum(1 for d in self.store.glob("??") for f in os.scandir(d)
-                        if f.name.endswith(".safetensors") and not f.name.startswith("."))
+            files = sum(1 for d in self._directories if d.is_dir() for f in os.scandir(d) if f.name in self._names)
             memory = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
             self.samples.append({"t": round(time.perf_counter() - self._began, 3), "files": files,
                                  "dirty_mb": int(memory["Dirty"].split()[0]) // 1024,

@@ -84,11 +84,15 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         )
 
     @staticmethod
-    def _write_tensors(tensors, event, filename, lock_fd) -> None:
+    def _write_tensors(tensors, event, filename, lock_fd) -> float:
+        """Wait for the copy, write the file; the seconds spent waiting for the copy."""
         try:
+            began = time.perf_counter()
             event.synchronize()
+            waited = time.perf_counter() - began
             with atomic_path(filename, durable=False) as tmp:  # the extract job makes them durable
                 save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+            return waited
         except BaseException:
             logger.exception("writing hidden states to %s failed", filename)
             raise
@@ -148,9 +152,7 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
     def _write_and_give_back(self, buffer: torch.Tensor, tensors, copied, filename: str, lock_fd) -> None:
         began = time.perf_counter()
         try:
-            copied.synchronize()
-            waited = time.perf_counter() - began
-            self._write_tensors(tensors, copied, filename, lock_fd)
+            waited = self._write_tensors(tensors, copied, filename, lock_fd)
         finally:
             self._buffers.give_back(buffer)
         with self._writers_lock:
