@@ -59,7 +59,7 @@ def write_shard(path, prompts: dict[str, list[int]]) -> None:
     pd.DataFrame(rows).to_parquet(path, index=False)
 
 
-def extract(tmp_path, model, prompts, captures, **engine) -> tuple[dict, str]:
+def extract(tmp_path, model, prompts, captures, max_seq_len=1024, **engine) -> tuple[dict, str]:
     """Run the extract stage in a subprocess; return {sample_id: states [T, n, H]} and its log."""
     shard, store = tmp_path / "shard.parquet", tmp_path / "store"
     write_shard(shard, prompts)
@@ -67,7 +67,7 @@ def extract(tmp_path, model, prompts, captures, **engine) -> tuple[dict, str]:
                             "engine": {"device": "cpu", "cpu_kv_cache_gib": 1, **engine}})
     args = {"model": str(model), "captures": captures, "shard": str(shard), "store": str(store),
             "manifest": str(tmp_path / "manifest.parquet"), "stats": str(tmp_path / "stats.json"),
-            "max_seq_len": 1024, "engine": config["engine"]}
+            "max_seq_len": max_seq_len, "engine": config["engine"]}
     script = tmp_path / "run_extract.py"
     script.write_text(RUNNER)
     proc = subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True, text=True,
@@ -133,5 +133,7 @@ def test_llama_states_equal_transformers_under_chunked_prefill(tiny_llama, tmp_p
     prompts = {f"sample-{n:04d}-xxxxxxxx": [rng.randrange(5, 512) for _ in range(n)]
                for n in (5, 60, 300, 650)}
     # A 64-token budget splits the 300- and 650-token prompts over many steps, batched with the others.
-    got, _ = extract(tmp_path, tiny_llama, prompts, captures, max_num_batched_tokens=64, max_num_seqs=4)
+    # The longest prompt is exactly max_seq_len, as every truncated sample is.
+    got, _ = extract(tmp_path, tiny_llama, prompts, captures, max_seq_len=650, max_num_batched_tokens=64,
+                     max_num_seqs=4)
     assert_matches(tiny_llama, prompts, got, captures)
