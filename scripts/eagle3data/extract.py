@@ -97,10 +97,10 @@ def run(job: ExtractJob) -> dict:
     began = time.perf_counter()
     make_durable([Path(path) for _, _, path, _ in manifest])  # reused files too: a killed run wrote them
     steps["durable"] += time.perf_counter() - began
-    files_after_generate = 0
+    files_after_generate, engine_start = 0, 0.0
     try:
         if todo:
-            files_after_generate = _compute(job, todo, failed, steps)
+            files_after_generate, engine_start = _compute(job, todo, failed, steps)
     finally:  # what failed is on record even when the job dies after it
         if failed:
             failed_samples.write(job.manifest, job.tokenized, failed, len(shard), len(manifest))
@@ -121,6 +121,7 @@ def run(job: ExtractJob) -> dict:
         "tokens_per_second": computed_tokens / seconds if computed_tokens else None,
         **{f"{step}_seconds": value for step, value in steps.items()},
         "files_to_come_after_generate": files_after_generate,
+        "engine_start_seconds": engine_start,
     }
     df = pd.DataFrame(manifest, columns=["sample_id", "num_tokens", "path", "status"])
     df = check(ExtractManifest, df, f"extract manifest for {job.tokenized}")
@@ -128,7 +129,29 @@ def run(job: ExtractJob) -> dict:
         df.to_parquet(tmp, index=False)
     atomic_write_text(job.stats, json.dumps(stats, indent=2))
     logger.info("shard %s done: %s", job.tokenized, stats)
+    if todo:
+        report_engine_start(engine_start, seconds, len(todo), job.input_shape)
     return stats
+
+
+START_SHARE_GOAL = 0.1  # the share of an extract job's engine time that its start may take unremarked
+
+
+def report_engine_start(start_s: float, compute_s: float, computed: int, shape: disk.InputShape | None) -> None:
+    """Each extract job starts its own engine (20+ minutes for Kimi-K2.5): say what share of the job it
+    took, and when it is more than START_SHARE_GOAL, the shard size that would bring it there."""
+    share = start_s / max(start_s + compute_s, 1e-9)
+    message = (f"the engine's start took {start_s:.0f} s, {share:.0%} of this job's engine time "
+               f"({compute_s:.1f} s computing {computed} samples)")
+    if share <= START_SHARE_GOAL:
+        logger.info("%s", message)
+        return
+    per_sample = max(compute_s / computed, 1e-9)
+    needed = int(start_s * (1 - START_SHARE_GOAL) / (START_SHARE_GOAL * per_sample)) + 1
+    now = f"now {shape.shard_size}" if shape else "the whole input is one shard now"
+    logger.warning("%s: each extract job starts its own engine, so a larger shard_size spreads its start "
+                   "over more samples; at this job's pace, shard_size >= %d keeps it under %.0f%% (%s)",
+                   message, needed, START_SHARE_GOAL * 100, now)
 
 
 def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
@@ -151,10 +174,12 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
     `store.start_syncing`), and of making every computed file durable. That last step runs before the
     engine stops, so that its clock holds the whole wait for the disk: during a shutdown (5 s on the
     H200) the disk would flush the shard's last gigabyte unseen. Returns how many files were still to
-    come when the last generate() returned (how far the writes trailed the GPU)."""
+    come when the last generate() returned (how far the writes trailed the GPU), and the seconds the
+    engine took to start (kept out of `steps`: tokens/s is the running engine's)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    starting = time.perf_counter()
     llm = engine_mod.start_engine(
         engine_mod.engine_kwargs(
             job.model_path, job.expected.captures, job.expected.dtype, job.max_seq_len, job.engine,
@@ -166,6 +191,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
         llm, job.expected.captures, job.expected.dtype, job.engine["tensor_parallel_size"]
     )
     engine_mod.check_prompt_fits(llm, max(r.num_tokens for r in todo))
+    engine_start = time.perf_counter() - starting
     kill_point("extract:engine_ready")
     batch = job.engine["batch_samples"]
     progress = tqdm(total=len(todo), desc="extract", unit="sample", mininterval=5)
@@ -206,7 +232,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
     began = time.perf_counter()
     make_durable(watcher.whole(), syncing.result())
     steps["durable"] += time.perf_counter() - began
-    return to_come
+    return to_come, engine_start
 
 
 def _fail(sample_id: str, reason: str, path: Path, failed: dict[str, str]) -> None:
