@@ -13,6 +13,7 @@ import torch
 from corruption import RUN
 from safetensors.torch import save_file
 
+from eagle3data.extract import TIMED_STEPS
 from eagle3data.layers import parse_captures
 from eagle3data.pinned import PinnedBuffers
 from eagle3data.states import Expected
@@ -148,7 +149,7 @@ def test_extract_stats_say_where_the_time_went(demo_run):
     for path in paths:
         stats = json.loads(path.read_text())
         steps = {k: v for k, v in stats.items() if k.endswith("_seconds") and k != "engine_start_seconds"}
-        assert set(steps) == {f"{step}_seconds" for step in ("generate", "replies", "files", "durable")}
+        assert set(steps) == {f"{step}_seconds" for step in TIMED_STEPS}
         assert all(v >= 0 for v in steps.values())
         assert stats["seconds"] == pytest.approx(sum(steps.values()))  # the engine's start kept out
         assert steps["generate_seconds"] > 0 and stats["computed"] > 0, stats

@@ -110,7 +110,7 @@ def bare_prefill(args, engine: dict, prompts: dict, captures) -> dict:
 
 def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
     """The extract stage itself on a shard of the prompts; its own tokens/s (files waited for)."""
-    from eagle3data.extract import ExtractJob, run
+    from eagle3data.extract import TIMED_STEPS, ExtractJob, run
     from eagle3data.model_info import read_model_info
     from eagle3data.states import Expected
     from eagle3data.store import sample_path
@@ -127,7 +127,7 @@ def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
     disk_bytes = sum(f.stat().st_size for f in files)
     raw = stats["computed_tokens"] * len(captures) * info.hidden_size * torch.empty((), dtype=getattr(
         torch, args.dtype)).element_size()
-    steps = {k: v for k, v in stats.items() if k.endswith("_seconds")}
+    steps = {f"{step}_seconds": stats[f"{step}_seconds"] for step in TIMED_STEPS}
     return {"tokens": stats["computed_tokens"], "seconds": stats["seconds"], "seconds_by_step": steps,
             "tokens_per_second": stats["tokens_per_second"], "files": len(files),
             "bytes_on_disk": disk_bytes, "bytes_on_disk_per_raw_byte": disk_bytes / raw,

@@ -88,12 +88,17 @@ def reuse_or_clear(job: ExtractJob, shard: pd.DataFrame) -> tuple[list, list]:
     return manifest, todo
 
 
+# The steps whose seconds make up a job's `seconds` (its tokens/s), each `<step>_seconds` in its stats.
+# The engine's start is recorded beside them (`engine_start_seconds`), not among them.
+TIMED_STEPS = ("generate", "replies", "files", "durable")
+
+
 def run(job: ExtractJob) -> dict:
     shard = check(TokenizedShard, pd.read_parquet(job.tokenized), f"tokenized shard {job.tokenized}")
     manifest, todo = reuse_or_clear(job, shard)
     check_disk(job, shard, todo)
     failed: dict[str, str] = {}
-    steps = dict.fromkeys(["generate", "replies", "files", "durable"], 0.0)  # seconds of each timed step
+    steps = dict.fromkeys(TIMED_STEPS, 0.0)
     began = time.perf_counter()
     make_durable([Path(path) for _, _, path, _ in manifest])  # reused files too: a killed run wrote them
     steps["durable"] += time.perf_counter() - began
