@@ -1,5 +1,5 @@
 """How far transformers in bf16 is from itself in fp32, per capture, and for MoE layers how many tokens
-pick other experts: the floor that vLLM's bf16 states cannot beat in a comparison with an fp32 reference.
+pick other experts: how far any bf16 engine's states can be from an fp32 reference by rounding alone.
 
     python scripts/gpu/bf16_floor.py MODEL_DIR [MODEL_DIR ...]   (the small DeepSeek-V3s of build_small_deepseek.py)
 
