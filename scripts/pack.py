@@ -16,5 +16,6 @@ run(
         counts_out=sm.output.counts,
         conversations_in=sm.params.conversations_in,
         metadata=Settings(dict(sm.config)).dataset_metadata(),
+        storage=dict(sm.config["storage"]),
     )
 )

@@ -150,6 +150,30 @@ def test_pack_rechecks_the_validated_manifest(demo_copy):
     assert not (demo_copy / RUN / "dataset").exists()
 
 
+def test_pack_refuses_to_start_when_the_disk_lacks_room_for_the_dataset(demo_run, tmp_path):
+    from eagle3data import disk
+    from eagle3data.pack import PackJob, run
+
+    run_dir = demo_run / RUN
+    shards = sorted(p.name.removesuffix(".parquet") for p in (run_dir / "tokenized").glob("shard-?????.parquet"))
+    validated = [str(run_dir / f"validated/{s}.parquet") for s in shards]
+    job = PackJob(tokenized=[str(run_dir / f"tokenized/{s}.parquet") for s in shards],
+                  skipped=[str(run_dir / f"tokenized/{s}.skipped.parquet") for s in shards],
+                  states=validated, quarantined=[str(run_dir / f"validated/{s}.quarantined.parquet") for s in shards],
+                  out_dir=str(tmp_path / "dataset"), counts_out=str(tmp_path / "dataset.counts.json"),
+                  conversations_in=0, metadata=Settings(with_defaults(demo_config())).dataset_metadata(),
+                  storage={"check_free_space": True, "reserve_gib": 1e9})
+    with pytest.raises(disk.DiskSpaceError) as err:
+        run(job)
+    states_bytes = sum(int(pd.read_parquet(p)["nbytes"].sum()) for p in validated)
+    assert states_bytes > 0
+    message = str(err.value)
+    assert f"the packed dataset {tmp_path / 'dataset'} (on the filesystem of {tmp_path})" in message, message
+    assert f"({states_bytes / 2**30:.2f} GiB still to write + 1000000000.0 GiB reserve)" in message, message
+    assert "storage.check_free_space: false" in message
+    assert not list(tmp_path.iterdir())  # nothing started: no dataset, no temporary directory, no counts
+
+
 def test_extract_reuses_a_file_only_if_it_meets_the_same_contract(demo_run, tmp_path):
     sample = samples(demo_run, "00000")[0]
     ids = pd.read_parquet(demo_run / RUN / "tokenized/shard-00000.parquet").set_index("sample_id")

@@ -90,8 +90,10 @@ def finished_conversations(manifest: str | Path, shard_size: int) -> int:
     return len(others) * shard_size
 
 
-def check_free_space(store_dir: str | Path, needed_bytes: int, reserve_gib: float, enforce: bool) -> None:
-    """Refuse (or, with enforce False, warn) when the store's disk has less than needed + reserve free."""
+def check_free_space(store_dir: str | Path, needed_bytes: int, reserve_gib: float, enforce: bool,
+                     what: str = "the states store") -> None:
+    """Refuse (or, with enforce False, warn) when the disk of `store_dir` (`what` writes there) has less
+    than needed + reserve free."""
     path = Path(store_dir)
     while not path.exists():
         path = path.parent
@@ -101,7 +103,7 @@ def check_free_space(store_dir: str | Path, needed_bytes: int, reserve_gib: floa
         logger.info("disk: %s free at %s, %s needed (reserve included)", _gib(free), path, _gib(required))
         return
     message = (
-        f"disk: the states store {store_dir} (on the filesystem of {path}) needs {_gib(required)} "
+        f"disk: {what} {store_dir} (on the filesystem of {path}) needs {_gib(required)} "
         f"({_gib(needed_bytes)} still to write + {reserve_gib} GiB reserve), found {_gib(free)} free"
     )
     if enforce:

@@ -14,7 +14,7 @@ import itertools
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -24,6 +24,7 @@ from datasets.arrow_writer import ArrowWriter
 from tqdm import tqdm
 
 from eagle3data import dataset as fmt
+from eagle3data import disk
 from eagle3data.card import write_card
 from eagle3data.check_dataset import check_dataset
 from eagle3data.failures import BoundaryError, Failure, show, summary, validate
@@ -61,6 +62,7 @@ class PackJob:
     conversations_in: int
     metadata: dict
     batch_size: int = 32
+    storage: dict = field(default_factory=lambda: {"check_free_space": True, "reserve_gib": 1})
 
 
 def _verified_states(sample_id: str, captures: pd.DataFrame, out: torch.Tensor) -> None:
@@ -145,6 +147,7 @@ def run(job: PackJob) -> dict:
     out = Path(job.out_dir)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    check_room(job)
     tmp.mkdir(parents=True)
     seen: set[str] = set()
     dup_rows: list[dict] = []
@@ -180,6 +183,20 @@ def run(job: PackJob) -> dict:
     atomic_write_text(job.counts_out, json.dumps(counts_doc, indent=2))
     logger.info("packed %d samples (%.1f MB) into %s", packed, nbytes / 1e6, out)
     return counts_doc
+
+
+def check_room(job: PackJob) -> None:
+    """The dataset holds a second copy of every validated state (an earlier dataset stays until the new
+    one is renamed into place): refuse to start hours of packing on a disk that cannot take it."""
+    states_bytes = sum(_validated_bytes(p) for p in job.states)
+    logger.info("pack: %.2f GiB of validated states to write into %s", states_bytes / 2**30, job.out_dir)
+    disk.check_free_space(job.out_dir, states_bytes, job.storage["reserve_gib"], job.storage["check_free_space"],
+                          what="the packed dataset")
+
+
+def _validated_bytes(manifest: str) -> int:
+    table = pd.read_parquet(manifest)
+    return int(table["nbytes"].sum()) if "nbytes" in table else 0  # its contract check names what is wrong
 
 
 def _record_batch(columns: dict, states, features: datasets.Features):
