@@ -90,11 +90,16 @@ def finished_conversations(manifest: str | Path, shard_size: int) -> int:
     return len(others) * shard_size
 
 
-def check_free_space(store_dir: str | Path, needed_bytes: int, reserve_gib: float, enforce: bool,
+# `storage` settings for callers that build jobs by hand (tests, benchmarks); the workflow's come from
+# config/schema.yaml, whose defaults these are.
+STORAGE_DEFAULTS = {"check_free_space": True, "reserve_gib": 1}
+
+
+def check_free_space(directory: str | Path, needed_bytes: int, reserve_gib: float, enforce: bool,
                      what: str = "the states store") -> None:
-    """Refuse (or, with enforce False, warn) when the disk of `store_dir` (`what` writes there) has less
+    """Refuse (or, with enforce False, warn) when the disk of `directory` (`what` writes there) has less
     than needed + reserve free."""
-    path = Path(store_dir)
+    path = Path(directory)
     while not path.exists():
         path = path.parent
     free = shutil.disk_usage(path).free
@@ -103,7 +108,7 @@ def check_free_space(store_dir: str | Path, needed_bytes: int, reserve_gib: floa
         logger.info("disk: %s free at %s, %s needed (reserve included)", _gib(free), path, _gib(required))
         return
     message = (
-        f"disk: {what} {store_dir} (on the filesystem of {path}) needs {_gib(required)} "
+        f"disk: {what} {directory} (on the filesystem of {path}) needs {_gib(required)} "
         f"({_gib(needed_bytes)} still to write + {reserve_gib} GiB reserve), found {_gib(free)} free"
     )
     if enforce:

@@ -42,7 +42,7 @@ class ExtractJob:
     max_seq_len: int
     engine: dict
     input_shape: disk.InputShape | None = None  # None: this shard is the whole input
-    storage: dict = field(default_factory=lambda: {"check_free_space": True, "reserve_gib": 1})
+    storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
     fail_samples: tuple[str, ...] = ()  # testing.fail_samples, a test-only hook (testing.py)
 
 

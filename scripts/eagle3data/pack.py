@@ -19,6 +19,7 @@ from pathlib import Path
 
 import datasets
 import pandas as pd
+import pyarrow.parquet as pq
 import torch
 from datasets.arrow_writer import ArrowWriter
 from tqdm import tqdm
@@ -62,7 +63,7 @@ class PackJob:
     conversations_in: int
     metadata: dict
     batch_size: int = 32
-    storage: dict = field(default_factory=lambda: {"check_free_space": True, "reserve_gib": 1})
+    storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
 
 
 def _verified_states(sample_id: str, captures: pd.DataFrame, out: torch.Tensor) -> None:
@@ -195,8 +196,12 @@ def check_room(job: PackJob) -> None:
 
 
 def _validated_bytes(manifest: str) -> int:
-    table = pd.read_parquet(manifest)
-    return int(table["nbytes"].sum()) if "nbytes" in table else 0  # its contract check names what is wrong
+    """The states bytes a validated manifest lists, from that one column (the shard loop reads the whole
+    table later); 0 without the column, which the shard's contract check then names."""
+    file = pq.ParquetFile(manifest)
+    if "nbytes" not in file.schema_arrow.names:
+        return 0
+    return int(file.read(columns=["nbytes"]).column("nbytes").to_pandas().sum())
 
 
 def _record_batch(columns: dict, states, features: datasets.Features):
