@@ -13,7 +13,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from eagle3data.benchmark import NAMES
+from eagle3data.bench.figures import NAMES
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def test_quick_benchmark_prints_and_writes_every_figure(tmp_path):
     out = tmp_path / "bench.json"
     work = os.path.relpath(tmp_path / "work", REPO)  # relative, as the default is: the Snakemake runs chdir
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle3data.benchmark", "--quick", "--work", work, "--out", str(out)],
+        [sys.executable, "-m", "eagle3data.bench", "--quick", "--work", work, "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=1800,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -20,7 +20,7 @@ import torch
 from conftest import with_defaults
 from safetensors.torch import load_file
 
-from eagle3data.crosscheck import load_reference_model, reference_states
+from eagle3data.bench.crosscheck import load_reference_model, reference_states
 from eagle3data.layers import parse_captures
 from eagle3data.store import sample_path
 

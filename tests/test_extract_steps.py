@@ -18,7 +18,7 @@ from eagle3data.layers import parse_captures
 from eagle3data.pinned import PinnedBuffers
 from eagle3data.states import Expected
 from eagle3data.store import atomic_path, sample_path
-from eagle3data.synthetic import random_prompts
+from eagle3data.bench.synthetic import random_prompts
 from eagle3data.watcher import StatesWatcher
 
 EXPECTED = Expected(parse_captures([{"layer": 1, "point": "input"}, {"layer": 2, "point": "input"},

@@ -341,7 +341,7 @@ def unscaled_deepseek(tiny_deepseek, tmp_path_factory):
 def test_yarn_deepseek_through_extract_agrees_with_transformers(tiny_deepseek, tmp_path):
     work = tmp_path / "work"
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle3data.crosscheck", "--model", str(tiny_deepseek), "--captures",
+        [sys.executable, "-m", "eagle3data.bench.crosscheck", "--model", str(tiny_deepseek), "--captures",
          "2:input,4:input,5:input,7:output", "--dtype", "float32", "--device", "cpu", "--samples", "4",
          "--tokens", "200", "--engine", "attention_backend=CPU_MLA", "cpu_kv_cache_gib=1",
          "max_num_batched_tokens=1024", "--tolerance", "1e-4", "--work", str(work)],
@@ -368,7 +368,8 @@ UNGUARDED_RUNNER = textwrap.dedent(
     """
     import json, sys, time
     from pathlib import Path
-    from eagle3data import crosscheck, engine
+    from eagle3data import engine
+    from eagle3data.bench import crosscheck
     from eagle3data.layers import parse_captures
     from eagle3data.settings import engine_config
 
@@ -454,7 +455,7 @@ def test_kimi_sample_size_and_whole_input_estimate():
 
 def test_extract_refuses_to_start_when_the_disk_lacks_room(tiny_deepseek, tmp_path):
     from eagle3data.extract import ExtractJob, run
-    from eagle3data.synthetic import random_prompts, write_token_shard
+    from eagle3data.bench.synthetic import random_prompts, write_token_shard
 
     write_token_shard(str(tmp_path / "shard.parquet"), random_prompts(3, 50, 500))
     info = read_model_info(tiny_deepseek)

@@ -34,7 +34,7 @@ case "$what" in
     ;;
   bench)
     step bench llama-8b
-    timeout 540 python3 -m eagle3data.bench_extract --shape llama-8b --model /tmp/llama-8b \
+    timeout 540 python3 -m eagle3data.bench.extract --shape llama-8b --model /tmp/llama-8b \
       --captures 2:input,16:input,29:input,31:output --prompts 2048 --tokens 512 \
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 ${BENCH_ENGINE:-} \
       --work /tmp/bench --out "$OUT/bench-llama8b.json" > /tmp/bench.log 2>&1
@@ -44,7 +44,7 @@ case "$what" in
   figures)  # issue 8's figures 1 and 7 through the benchmark command: 8B Llama shape (dummy weights), TP1
     step figures 1,7
     python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
-    timeout 500 python3 -m eagle3data.benchmark --figures 1,7 --device cuda --model /tmp/llama-8b \
+    timeout 500 python3 -m eagle3data.bench --figures 1,7 --device cuda --model /tmp/llama-8b \
       --captures 2:input,16:input,29:input,31:output --prompts 2048 --tokens 512 --conversations 2048 \
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
       --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
@@ -57,7 +57,7 @@ case "$what" in
     python3 scripts/gpu/make_conversations.py data/demo/conversations.jsonl results/gpu-conversations.jsonl 48
     python3 scripts/gpu/build_small_deepseek.py /tmp/ds-small resources/demo-tokenizer
     step crosscheck
-    timeout 200 python3 -m eagle3data.crosscheck --model /tmp/ds-small --captures 2:input,4:input,6:input,7:output \
+    timeout 200 python3 -m eagle3data.bench.crosscheck --model /tmp/ds-small --captures 2:input,4:input,6:input,7:output \
       --dtype bfloat16 --device cuda --tolerance 5e-2 --work /tmp/cc > /tmp/cc.log 2>&1
     echo "crosscheck: exit $?"; grep '^{"model"' /tmp/cc.log > "$OUT/crosscheck-deepseek.json"; tail -n 2 /tmp/cc.log | cut -c1-600
     step workflow ds-small-tp1
@@ -72,7 +72,7 @@ case "$what" in
     ;;
   dense)  # the small DeepSeek-V3 with every layer dense (no expert routing) against transformers
     python3 scripts/gpu/build_small_deepseek.py /tmp/ds-dense resources/demo-tokenizer --dense
-    timeout 150 python3 -m eagle3data.crosscheck --model /tmp/ds-dense --captures 2:input,4:input,6:input,7:output \
+    timeout 150 python3 -m eagle3data.bench.crosscheck --model /tmp/ds-dense --captures 2:input,4:input,6:input,7:output \
       --dtype bfloat16 --device cuda --tolerance 5e-2 --work /tmp/cc-dense > /tmp/cc-dense.log 2>&1
     echo "crosscheck dense: exit $?"; grep '^{"model"' /tmp/cc-dense.log > "$OUT/crosscheck-dense.json"
     grep '^{"model"' /tmp/cc-dense.log | cut -c1-400

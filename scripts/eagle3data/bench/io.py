@@ -5,7 +5,7 @@ config.json only; samples of `[512, 4, 7168]` random bf16 states are written as 
 (`store.sample_path`, `store.atomic_path`, the connector's tensors) with a tokenized shard and an extract
 manifest per shard. The real `validate` and `pack` stages then run on them as Snakemake runs them: in
 their own process with OMP_NUM_THREADS set to the rule's `threads` (validate 2, pack 1), timed inside it
-(`python -m eagle3data.bench_io validate|pack JOB.json`), beside their references on the same files:
+(`python -m eagle3data.bench.io validate|pack JOB.json`), beside their references on the same files:
 plainly reading them, and `cp` of them. Before each timed pass the files are dropped from the page cache
 (posix_fadvise DONTNEED), so every pass reads them from disk, as a production shard (tens of GB) is
 read; `os.sync()` first, so no pass pays for an earlier one's writes.
@@ -33,7 +33,7 @@ from eagle3data.settings import Settings
 from eagle3data.states import READ_CHUNK
 from eagle3data.shapes import write_shape
 from eagle3data.store import atomic_path, sample_path
-from eagle3data.synthetic import random_prompts, write_token_shard
+from eagle3data.bench.synthetic import random_prompts, write_token_shard
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -145,7 +145,7 @@ def stage_in_child(stage: str, settings: Settings, shards: list[Shard], out_dir:
                                "out_dir": str(out_dir)}))
     # Started through `timeout`, which forks it: a process exec'd straight from this one would count
     # this one's memory in its ru_maxrss (Linux keeps the high-water mark across exec).
-    proc = subprocess.run(["timeout", "3600", sys.executable, "-m", "eagle3data.bench_io", stage, str(job)],
+    proc = subprocess.run(["timeout", "3600", sys.executable, "-m", "eagle3data.bench.io", stage, str(job)],
                           check=True, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -223,5 +223,5 @@ def _child(stage: str, job_file: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in ("validate", "pack"):
-        sys.exit("usage: python -m eagle3data.bench_io validate|pack JOB.json")
+        sys.exit("usage: python -m eagle3data.bench.io validate|pack JOB.json")
     _child(*sys.argv[1:])

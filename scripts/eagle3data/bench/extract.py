@@ -14,9 +14,9 @@ Model FLOPs count every matrix product a prefill does (active experts only, atte
 head for the one sampled position per prompt), not embeddings. Prints one line per figure, last, and
 writes everything as JSON.
 
-    python -m eagle3data.bench_extract --model resources/demo-model --device cpu \
+    python -m eagle3data.bench.extract --model resources/demo-model --device cpu \
         --captures 2:input,4:input,5:input,7:output --prompts 32 --tokens 500
-    python -m eagle3data.bench_extract --shape llama-8b --model /tmp/llama8b --engine load_format=dummy \
+    python -m eagle3data.bench.extract --shape llama-8b --model /tmp/llama8b --engine load_format=dummy \
         --captures 2:input,16:input,29:input,31:output --prompts 512 --tokens 512 --out bench.json
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3data.crosscheck import parse_capture_arg, parse_engine_args
+from eagle3data.bench.crosscheck import parse_capture_arg, parse_engine_args
 from eagle3data.engine import installed_vllm
 
 PHASES = ("matmul", "write", "bare", "extract")
@@ -114,7 +114,7 @@ def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
     from eagle3data.model_info import read_model_info
     from eagle3data.states import Expected
     from eagle3data.store import sample_path
-    from eagle3data.synthetic import write_token_shard
+    from eagle3data.bench.synthetic import write_token_shard
 
     work = Path(args.work)
     write_token_shard(str(work / "shard.parquet"), prompts)
@@ -219,7 +219,7 @@ def run_phase(args) -> dict:
     from eagle3data.layers import parse_captures
     from eagle3data.model_info import read_model_info
     from eagle3data.settings import engine_config
-    from eagle3data.synthetic import random_prompts
+    from eagle3data.bench.synthetic import random_prompts
 
     if args.phase == "matmul":
         return {"flops_per_second": matmul_flops(args.device, args.matmul_size)}
@@ -307,7 +307,7 @@ def _child(phase: str) -> dict:
     if "--shape" in argv:
         i = argv.index("--shape")
         del argv[i : i + 2]
-    proc = subprocess.run([sys.executable, "-m", "eagle3data.bench_extract", *argv, "--phase", phase],
+    proc = subprocess.run([sys.executable, "-m", "eagle3data.bench.extract", *argv, "--phase", phase],
                           stdout=subprocess.PIPE, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("BENCH-RESULT ")]
     if proc.returncode != 0 or not lines:

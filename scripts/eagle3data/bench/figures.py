@@ -1,13 +1,13 @@
-r"""Every stage measured against its own limit, in one run: `python -m eagle3data.benchmark`.
+r"""Every stage measured against its own limit, in one run: `python -m eagle3data.bench` runs `main`.
 
 Each figure is a ratio (or, for planning, seconds) of a stage against its reference, both measured in
 the same run on the same data. Prints, last, one line per figure (number, name, value, goal, PASS /
 FAIL, or `-` where the issue sets no goal), and writes every measurement as JSON (`--out`). See
 docs/benchmarks.md for what each figure measures and how.
 
-    python -m eagle3data.benchmark --quick --out bench.json          # a few minutes on 2 cores
-    python -m eagle3data.benchmark --out bench.json                  # the full sizes
-    python -m eagle3data.benchmark --figures 1,7 --device cuda --model DIR --captures 2:input,... \
+    python -m eagle3data.bench --quick --out bench.json          # a few minutes on 2 cores
+    python -m eagle3data.bench --out bench.json                  # the full sizes
+    python -m eagle3data.bench --figures 1,7 --device cuda --model DIR --captures 2:input,... \
         --engine load_format=dummy                                   # extraction on a GPU
 """
 
@@ -25,7 +25,7 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from eagle3data.crosscheck import parse_capture_arg, parse_engine_args
+from eagle3data.bench.crosscheck import parse_capture_arg, parse_engine_args
 
 DEMO_MODEL = "resources/demo-model"
 DEMO_CAPTURES = "2:input,4:input,5:input,7:output"
@@ -82,11 +82,11 @@ def run_child(cmd: list[str], log: Path) -> None:
 
 
 def extract_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
-    """Figure 1: eagle3data.bench_extract (pipeline extract vs bare prefill of the same engine)."""
-    from eagle3data.bench_extract import describe_steps
+    """Figure 1: eagle3data.bench.extract (pipeline extract vs bare prefill of the same engine)."""
+    from eagle3data.bench.extract import describe_steps
 
     out = work / "extract.json"
-    cmd = [sys.executable, "-m", "eagle3data.bench_extract", "--model", args.model, "--device", args.device,
+    cmd = [sys.executable, "-m", "eagle3data.bench.extract", "--model", args.model, "--device", args.device,
            "--captures", args.captures, "--prompts", str(scale.extract_prompts),
            "--tokens", str(scale.extract_tokens), "--work", str(work / "extract"), "--out", str(out)]
     run_child(cmd + (["--engine", *args.engine] if args.engine else []), work / "extract.log")
@@ -104,7 +104,7 @@ def extract_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
 
 def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
     """Figure 7: a whole run's packed tokens per wall second / bare prefill tokens/s (figure 1's)."""
-    from eagle3data.bench_stages import measure_end_to_end
+    from eagle3data.bench.stages import measure_end_to_end
 
     bare_tps = measured["extract"]["bare"]["tokens_per_second"]
     engine = {"device": args.device, **parse_engine_args(args.engine)}
@@ -117,8 +117,8 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
 
 
 def io_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
-    """Figures 2, 3 and 6 on Kimi-sized synthetic samples (eagle3data.bench_io)."""
-    from eagle3data.bench_io import measure
+    """Figures 2, 3 and 6 on Kimi-sized synthetic samples (eagle3data.bench.io)."""
+    from eagle3data.bench.io import measure
 
     r = measure(work / "io", 1, scale.io_samples_per_shard, 512, scale.io_repeats)
     rss, shape = r["pack_peak_rss_mib"], r["shape"]
@@ -142,7 +142,7 @@ def io_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, li
 
 
 def tokenize_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
-    from eagle3data.bench_stages import measure_tokenize
+    from eagle3data.bench.stages import measure_tokenize
 
     sequence = {"max_seq_len": 512, "min_seq_len": 8}  # the demo's
     r = measure_tokenize(work, args.model, scale.tokenize_conversations, sequence)
@@ -152,7 +152,7 @@ def tokenize_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[di
 
 
 def planning_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
-    from eagle3data.bench_stages import measure_planning
+    from eagle3data.bench.stages import measure_planning
 
     r = measure_planning(work / "plan", scale.plan_conversations)
     return r, [judged("5", "planning", r["seconds"], "< 30",
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     if not Path(args.model, "config.json").is_file() and args.model == DEMO_MODEL:
         from eagle3data.demo import build_demo_model
-        from eagle3data.bench_stages import DEMO
+        from eagle3data.bench.stages import DEMO
 
         build_demo_model(DEMO, Path(args.model))
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),
@@ -221,6 +221,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f.line())
     return 1 if report["errors"] else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
