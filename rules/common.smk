@@ -36,9 +36,10 @@ def shard_rows(wildcards):
 
 
 def model_input(wildcards):
-    """The demo model is built by a rule; a real checkpoint is read in place (not a DAG input, so
-    dry runs plan without it)."""
-    return config["model"]["path"] if config["model"]["build_demo"] else []
+    """A model built by a rule (the demo model, a GGUF conversion) is a DAG input; a checkpoint given by
+    model.path alone is read in place (not a DAG input, so dry runs plan without it)."""
+    model = config["model"]
+    return model["path"] if model["build_demo"] or model["from_gguf"] else []
 
 
 def quarantine_records(wildcards):
