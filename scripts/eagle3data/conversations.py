@@ -1,8 +1,27 @@
-"""Reading conversations: counting them cheaply, slicing a shard, normalizing roles, stable ids.
+"""Reading conversations: counting them cheaply, slicing a shard, normalizing records, stable ids.
 
 A shard is a contiguous range of input rows, so appending conversations to the input adds shards
 without reshuffling existing ones. Sample ids hash the normalized conversation, so they do not depend
 on file layout and a re-run finds its earlier results.
+
+Every input form becomes the OpenAI message list that Hugging Face chat templates render:
+`{role, content}` with `content` a string, plus `tool_calls: [{type: function, function: {name,
+arguments}}]` (and `id` where the data has one) and `reasoning_content` on assistant messages,
+`tool_call_id`/`name` on tool messages where known. Policies (the README's "Input formats"):
+- text parts of a content list are concatenated with nothing between them (OpenAI's and the
+  Qwen/Kimi templates' way); a part of any other kind (image, audio, file...) is refused with its type;
+- reasoning (`reasoning_content`, `reasoning`, `thinking`, or parts of type reasoning/thinking) is
+  kept as `reasoning_content`, message field first, then parts, concatenated;
+- call arguments are passed as a JSON string, as OpenAI's API gives them (a string is kept verbatim,
+  an object is serialized with `json.dumps(ensure_ascii=False)`: what `tojson` writes);
+- a ShareGPT `function_call` turn's value is `{"name", "arguments"}` (or a list of them) as JSON; it
+  becomes the tool calls of an assistant message, joining the assistant message right before it
+  (text then calls, or parallel calls) or opening a new one with empty content. ShareGPT calls have
+  no ids; none are invented;
+- a ShareGPT record's non-empty top-level `system` field (LLaMA-Factory's layout) is its system message,
+  unless the turns begin with one;
+- a tool result gets the `name` (and `tool_call_id`) of the call it answers, matched by id, else by
+  position among the results that follow the calling message.
 """
 
 from __future__ import annotations
@@ -10,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -20,18 +40,37 @@ SHAREGPT_ROLES = {
     "user": "user",
     "gpt": "assistant",
     "assistant": "assistant",
+    "model": "assistant",
     "chatgpt": "assistant",
     "bing": "assistant",
     "bard": "assistant",
     "tool": "tool",
     "function": "tool",
     "observation": "tool",
+    "tool_response": "tool",
+    "tool_result": "tool",
+    "function_response": "tool",
+    "ipython": "tool",
+    "function_call": "tool_call",
+    "function_calls": "tool_call",
+    "tool_call": "tool_call",
+    "tool_calls": "tool_call",
 }
-OPENAI_ROLES = {"system", "developer", "user", "assistant", "tool"}
+OPENAI_ROLES = {"system": "system", "developer": "developer", "user": "user", "assistant": "assistant",
+                "tool": "tool", "function": "tool"}
+TEXT_PARTS = {"text", "input_text", "output_text"}
+REASONING_PARTS = {"reasoning", "thinking"}
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 
 
 class UnsupportedInput(ValueError):
-    pass
+    """A record that cannot become a conversation; the message is the recorded skip reason."""
+
+
+@dataclass
+class Conversation:
+    messages: list[dict]
+    tools: list[dict] | None
 
 
 def _suffix(path: Path) -> str:
@@ -75,37 +114,202 @@ def read_shard(path: str | Path, start: int, stop: int):
     )
 
 
-def normalize_messages(record: dict) -> list[dict]:
-    """ShareGPT (`conversations: [{from, value}]`) or OpenAI (`messages: [{role, content}]`) form,
-    as a list of `{role, content}` with OpenAI role names. Raises UnsupportedInput with the reason."""
+def _text_and_reasoning(content) -> tuple[str, str]:
+    """A message's content (string, one part or a list of parts) as (text, reasoning from parts)."""
+    if content is None:
+        return "", ""
+    if isinstance(content, str):
+        return content, ""
+    parts = [content] if isinstance(content, dict) else content
+    if not isinstance(parts, list):
+        raise UnsupportedInput(f"non_text_content:{type(content).__name__}")
+    text, reasoning = [], []
+    for part in parts:
+        if isinstance(part, str):
+            text.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise UnsupportedInput(f"non_text_content:{type(part).__name__}")
+        kind = part.get("type", "text" if "text" in part else None)
+        if kind in TEXT_PARTS:
+            text.append(str(part.get("text") or ""))
+        elif kind in REASONING_PARTS:
+            reasoning.append(str(part.get("text") or part.get(kind) or ""))
+        else:
+            raise UnsupportedInput(f"non_text_content:{kind}")
+    return "".join(text), "".join(reasoning)
+
+
+def _reasoning(turn: dict, from_parts: str) -> str:
+    fields = [turn[k] for k in REASONING_FIELDS if isinstance(turn.get(k), str)]
+    return "".join(fields[:1]) + from_parts
+
+
+def _tool_call(call) -> dict:
+    """One call in OpenAI form; accepts the nested form and the flat `{name, arguments}` one."""
+    if not isinstance(call, dict):
+        raise UnsupportedInput(f"bad_tool_call: a call is a {type(call).__name__}, not an object")
+    if call.get("type", "function") != "function":
+        raise UnsupportedInput(f"bad_tool_call: type {call.get('type')!r} is not 'function'")
+    function = call["function"] if isinstance(call.get("function"), dict) else call
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise UnsupportedInput("bad_tool_call: a call without a function name")
+    arguments = function.get("arguments", function.get("parameters", {}))
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    out = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if call.get("id"):
+        out["id"] = str(call["id"])
+    return out
+
+
+def _sharegpt_calls(value) -> list[dict]:
+    """A ShareGPT function_call turn's value: a JSON object `{name, arguments}` or a list of them."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise UnsupportedInput(f"bad_tool_call: function_call value is not JSON ({exc.msg})") from exc
+    calls = value if isinstance(value, list) else [value]
+    if not calls:
+        raise UnsupportedInput("bad_tool_call: function_call turn without a call")
+    return [_tool_call(c) for c in calls]
+
+
+def normalize_tools(tools) -> list[dict] | None:
+    """The `tools` field (a list, or that list as a JSON string) in OpenAI form, or None."""
+    if tools is None or tools == "" or tools == []:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise UnsupportedInput(f"bad_tools: the tools string is not JSON ({exc.msg})") from exc
+    tools = [tools] if isinstance(tools, dict) else tools
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise UnsupportedInput("bad_tools: tools must be a list of objects")
+    out = []
+    for tool in tools:
+        if "type" in tool:
+            out.append(tool)
+        elif isinstance(tool.get("name"), str):  # a bare function schema, as ShareGPT tool data writes it
+            out.append({"type": "function", "function": tool})
+        else:
+            raise UnsupportedInput("bad_tools: a tool without a type or a function name")
+    return out or None
+
+
+class _Builder:
+    """Appends turns as OpenAI messages, linking each tool result to the call it answers."""
+
+    def __init__(self):
+        self.messages: list[dict] = []
+        self.calls: list[dict] = []  # the calls of the last assistant message
+        self.answered = 0  # tool results since that message
+
+    def add(self, role: str, text: str, reasoning: str = "", calls: list[dict] | None = None,
+            extra: dict | None = None) -> None:
+        if reasoning and role != "assistant":
+            raise UnsupportedInput(f"reasoning_on_non_assistant_turn:{role}")
+        if role == "tool_call":
+            if text or reasoning:
+                raise UnsupportedInput("bad_tool_call: function_call turn with text besides the call")
+            last = self.messages[-1] if self.messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).extend(calls)
+            else:
+                self.messages.append({"role": "assistant", "content": "", "tool_calls": calls})
+                self.answered = 0
+            self.calls = self.messages[-1]["tool_calls"]
+            return
+        message = {"role": role, "content": text}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool":
+            message.update(self._answered_call(extra or {}))
+        if role == "assistant":
+            self.calls, self.answered = calls or [], 0
+        self.messages.append(message)
+
+    def _answered_call(self, extra: dict) -> dict:
+        by_id = {c.get("id"): c for c in self.calls if c.get("id")}
+        call = by_id.get(extra.get("tool_call_id"))
+        if call is None and self.answered < len(self.calls):
+            call = self.calls[self.answered]
+        self.answered += 1
+        link = {}
+        call_id = extra.get("tool_call_id") or (call or {}).get("id")
+        if call_id:
+            link["tool_call_id"] = str(call_id)
+        name = extra.get("name") or (call or {}).get("function", {}).get("name")
+        if name:
+            link["name"] = str(name)
+        return link
+
+
+def _openai(turns: list) -> list[dict]:
+    built = _Builder()
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise UnsupportedInput(f"bad_message: a message is a {type(turn).__name__}")
+        role = OPENAI_ROLES.get(turn.get("role"))
+        if role is None:
+            raise UnsupportedInput(f"unknown_role:{turn.get('role')}")
+        text, from_parts = _text_and_reasoning(turn.get("content"))
+        calls = turn.get("tool_calls") or ([turn["function_call"]] if turn.get("function_call") else [])
+        if not isinstance(calls, list):
+            raise UnsupportedInput("bad_tool_call: tool_calls is not a list")
+        if calls and role != "assistant":
+            raise UnsupportedInput(f"bad_tool_call: tool calls on a {role} message")
+        built.add(role, text, _reasoning(turn, from_parts), [_tool_call(c) for c in calls],
+                  {"tool_call_id": turn.get("tool_call_id"), "name": turn.get("name")})
+    return built.messages
+
+
+def _sharegpt(turns: list) -> list[dict]:
+    built = _Builder()
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise UnsupportedInput(f"bad_message: a turn is a {type(turn).__name__}")
+        role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
+        if role is None:
+            raise UnsupportedInput(f"unknown_role:{turn.get('from')}")
+        if role == "tool_call":
+            built.add(role, "", "", _sharegpt_calls(turn.get("value")))
+            continue
+        text, from_parts = _text_and_reasoning(turn.get("value"))
+        built.add(role, text, _reasoning(turn, from_parts), None, {"name": turn.get("name")})
+    return built.messages
+
+
+def normalize(record: dict) -> Conversation:
+    """ShareGPT (`conversations: [{from, value}]`) or OpenAI (`messages: [{role, content}]`) form, with
+    an optional `tools` field, as OpenAI messages and tools. Raises UnsupportedInput with the reason."""
     if isinstance(record.get("messages"), list):
-        messages = []
-        for turn in record["messages"]:
-            role = turn.get("role")
-            if role not in OPENAI_ROLES:
-                raise UnsupportedInput(f"unknown_role:{role}")
-            content = turn.get("content")
-            if content is None:
-                content = ""
-            if not isinstance(content, str):
-                raise UnsupportedInput("non_text_content")
-            message = {"role": role, "content": content}
-            if turn.get("tool_calls"):
-                message["tool_calls"] = turn["tool_calls"]
-            messages.append(message)
-        return messages
-    if isinstance(record.get("conversations"), list):
-        messages = []
-        for turn in record["conversations"]:
-            role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
-            if role is None:
-                raise UnsupportedInput(f"unknown_role:{turn.get('from')}")
-            messages.append({"role": role, "content": turn.get("value") or ""})
-        return messages
-    raise UnsupportedInput("no_conversation_field")
+        messages = _openai(record["messages"])
+    elif isinstance(record.get("conversations"), list):
+        messages = _sharegpt(record["conversations"])
+        system = record.get("system")
+        if isinstance(system, str) and system and not (messages and messages[0]["role"] == "system"):
+            messages.insert(0, {"role": "system", "content": system})
+    else:
+        raise UnsupportedInput("no_conversation_field")
+    return Conversation(messages, normalize_tools(record.get("tools")))
 
 
-def sample_id(messages: list[dict], tools: list | None = None) -> str:
-    """Stable id of a conversation: a hash of its normalized content."""
-    blob = json.dumps({"messages": messages, "tools": tools}, sort_keys=True, ensure_ascii=False)
+def normalize_messages(record: dict) -> list[dict]:
+    """The messages of `normalize(record)`."""
+    return normalize(record).messages
+
+
+def sample_id(messages: list[dict], tools: list | None = None, turns: list[int] | None = None) -> str:
+    """Stable id of a sample: a hash of its normalized conversation and, when the sample trains only
+    some of the conversation's assistant turns, of which."""
+    content = {"messages": messages, "tools": tools}
+    if turns is not None:
+        content["turns"] = turns
+    blob = json.dumps(content, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]

@@ -1,4 +1,9 @@
-"""Report pages for `snakemake --report`: counts and skip reasons, lengths, norms, throughput."""
+"""Report pages for `snakemake --report`: counts and skip reasons, lengths, norms, throughput.
+
+The summary also says what the data is made of, from the facts `tokenize` records per sample: how many
+samples train tool calls and reasoning, and which share of the trainable tokens is the assistant's
+reasoning, its tool calls and the rest of what it wrote (answers and the template's turn markers).
+"""
 
 from __future__ import annotations
 
@@ -12,10 +17,34 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 
+SAMPLE_FACTS = ["sample_id", "num_tokens", "num_trainable", "truncated", "has_tool_calls", "has_reasoning",
+                "reasoning_not_rendered", "reasoning_tokens", "tool_call_tokens"]
+
+
+def _count_and_share(count: int, total: int) -> str:
+    return f"{count} ({count / max(1, total):.1%})"
+
+
+def content_rows(tokens: pd.DataFrame) -> list[tuple[str, str | int]]:
+    """Summary rows on what the kept samples (one per sample id) are made of."""
+    n, trainable = len(tokens), int(tokens["num_trainable"].sum())
+    reasoning, calls = int(tokens["reasoning_tokens"].sum()), int(tokens["tool_call_tokens"].sum())
+    return [
+        ("tokens (kept samples)", int(tokens["num_tokens"].sum())),
+        ("trainable tokens", _count_and_share(trainable, int(tokens["num_tokens"].sum()))),
+        ("samples training tool calls", _count_and_share(int(tokens["has_tool_calls"].sum()), n)),
+        ("samples training reasoning", _count_and_share(int(tokens["has_reasoning"].sum()), n)),
+        ("trainable tokens: reasoning", _count_and_share(reasoning, trainable)),
+        ("trainable tokens: tool calls", _count_and_share(calls, trainable)),
+        ("trainable tokens: answers and turn markers", _count_and_share(trainable - reasoning - calls, trainable)),
+        ("trained turns whose reasoning the template does not render", int(tokens["reasoning_not_rendered"].sum())),
+    ]
+
+
 def write_report(counts: str, tokenized: list[str], states: list[str], stats: list[str], out) -> None:
     counts_doc = json.loads(open(counts).read())
-    tokens = pd.concat([pd.read_parquet(p, columns=["num_tokens", "num_trainable", "truncated"])
-                        for p in tokenized], ignore_index=True)
+    tokens = pd.concat([pd.read_parquet(p, columns=SAMPLE_FACTS) for p in tokenized], ignore_index=True)
+    tokens = tokens.drop_duplicates("sample_id")  # pack keeps one of equal samples in different shards
     manifest = pd.concat([pd.read_parquet(p) for p in states], ignore_index=True)
     shard_stats = pd.DataFrame([{"shard": i, **json.loads(open(p).read())} for i, p in enumerate(stats)])
 
@@ -41,14 +70,13 @@ def write_report(counts: str, tokenized: list[str], states: list[str], stats: li
     fig.savefig(out.throughput)
     plt.close(fig)
 
-    trainable_share = tokens["num_trainable"].sum() / max(1, tokens["num_tokens"].sum())
     rows = [
         ("conversations in", counts_doc["conversations_in"]),
+        ("samples split from conversations (several per conversation)", counts_doc.get("split_samples", 0)),
         ("samples packed", counts_doc["packed"]),
         ("samples skipped", counts_doc["skipped"]),
         *((f"skipped: {reason}", n) for reason, n in counts_doc["skip_reasons"].items()),
-        ("tokens (packed samples)", int(tokens["num_tokens"].sum())),
-        ("trainable token share", f"{trainable_share:.3f}"),
+        *content_rows(tokens),
         ("samples truncated to max_seq_len", int(tokens["truncated"].sum())),
         ("samples computed / reused", f"{shard_stats['computed'].sum()} / {shard_stats['reused'].sum()}"),
     ]

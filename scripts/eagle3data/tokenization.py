@@ -2,30 +2,41 @@
 
 The mask is computed without knowing the template: render the conversation up to each assistant turn
 (with the generation prompt) and up to its end; the text between is the assistant's, whatever markers
-the template uses. The rendered text is cut at those boundaries and each piece is tokenized on its own,
-so no offset mapping is needed (Kimi's tiktoken-based slow tokenizer has none). Pieces are joined at
-message boundaries, where templates put special tokens, so the ids equal a whole-text tokenization in
-practice; the `matches_full_tokenization` column records where they do not.
+the template uses (its reasoning and tool calls included). The rendered text is cut at those boundaries
+and each piece is tokenized on its own, so no offset mapping is needed (Kimi's tiktoken-based slow
+tokenizer has none). Pieces are joined at message boundaries, where templates put special tokens, so
+the ids equal a whole-text tokenization in practice; the `matches_full_tokenization` column records
+where they do not.
+
+Templates that rewrite earlier turns once later ones exist (Qwen3 drops the reasoning of turns before
+the last user message, Kimi-K2 gives history turns an empty `<think></think>`) keep a turn as the model
+wrote it only while that turn is the last. Such a conversation becomes several samples: the whole
+conversation trains the turns its full rendering keeps, and each other turn is trained in the
+conversation cut after it, rendered as the template renders it when that turn is the last (turns that
+the same cut keeps share one sample). Every assistant turn is trained exactly once; earlier turns are
+context (mask 0) in the later samples. Each sample has its own id and is counted on its own.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 
 from eagle3data import conversations
-from eagle3data.conversations import UnsupportedInput, normalize_messages, sample_id
+from eagle3data.conversations import UnsupportedInput, normalize, sample_id
 from eagle3data.logs import get_logger
 from eagle3data.schemas import SkippedShard, TokenizedShard, check
 from eagle3data.store import atomic_path
 
 logger = get_logger(__name__)
+DUPLICATE = "duplicate_conversation"
 
 
 class SkipSample(Exception):
-    """A conversation that yields no training sample; the message is the recorded reason."""
+    """A conversation or sample that yields no training sample; the message is the recorded reason,
+    its kind before the first ':'."""
 
 
 @dataclass
@@ -33,6 +44,28 @@ class Tokenized:
     input_ids: list[int]
     loss_mask: list[int]
     matches_full_tokenization: bool
+
+
+@dataclass
+class Turn:
+    """A trained assistant turn: its characters in the sample's text, and what its tokens are."""
+    index: int
+    start: int
+    end: int
+    tool_calls: bool = False
+    reasoning_rendered: bool = False
+    reasoning_not_rendered: bool = False
+    reasoning_tokens: int = 0
+    tool_call_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)  # positions of the turn's tokens in the sample
+
+
+@dataclass
+class Sample:
+    """One training sample of a conversation: `messages[:end]` rendered, `turns` trained."""
+    end: int
+    text: str
+    turns: list[Turn]
 
 
 def _render(tokenizer, messages: list[dict], tools, add_generation_prompt: bool) -> str:
@@ -48,44 +81,100 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def assistant_spans(tokenizer, messages: list[dict], tools=None) -> tuple[str, list[tuple[int, int]]]:
-    """The full rendered text and the character spans [start, end) of each assistant turn."""
-    full = _render(tokenizer, messages, tools, add_generation_prompt=False)
-    spans = []
+def plan_samples(tokenizer, messages: list[dict], tools=None) -> list[Sample]:
+    """The samples of a conversation (see the module docstring), in order of their end."""
+    turns = {}
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         before = _render(tokenizer, messages[:k], tools, add_generation_prompt=True)
         through = _render(tokenizer, messages[: k + 1], tools, add_generation_prompt=False)
-        if not (full.startswith(before) and full.startswith(through) and len(before) <= len(through)):
+        if not through.startswith(before):
             raise SkipSample(
-                "template_not_prefix_stable: rendering the first turns is not a prefix of rendering "
-                f"the whole conversation (turn {k}); the template rewrites earlier turns"
+                f"template_not_prefix_stable: the generation prompt before turn {k} is not how the template "
+                "begins that turn"
             )
-        if spans and len(before) < spans[-1][1]:
-            raise SkipSample(f"template_not_prefix_stable: turn {k} starts before the previous ends")
-        spans.append((len(before), len(through)))
-    return full, spans
+        turns[k] = (before, through)
+    full = _render(tokenizer, messages, tools, add_generation_prompt=False)
+    if tools and full == _render(tokenizer, messages, None, add_generation_prompt=False):
+        raise SkipSample("template_ignores_tools: the chat template renders nothing for the tools list")
+    groups = [(len(messages), full, [k for k, (_, through) in turns.items() if full.startswith(through)])]
+    rest = [k for k in turns if k not in groups[0][2]]
+    while rest:  # the latest turn not yet trained ends the next sample; earlier ones it keeps join it
+        last = rest[-1]
+        text = turns[last][1]
+        members = [k for k in rest if text.startswith(turns[k][1])]
+        groups.append((last + 1, text, members))
+        rest = [k for k in rest if k not in members]
+    samples = []
+    for end, text, members in sorted(g for g in groups if g[2]):
+        spans = [Turn(k, len(turns[k][0]), len(turns[k][1])) for k in members]
+        for a, b in zip(spans, spans[1:]):
+            if b.start < a.end:
+                raise SkipSample(f"template_not_prefix_stable: turn {b.index} starts before turn {a.index} ends")
+        samples.append(Sample(end, text, spans))
+    return samples
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], tools=None) -> Tokenized:
-    """Token ids of the rendered conversation and a 0/1 mask of the assistant's tokens."""
-    full, spans = assistant_spans(tokenizer, messages, tools)
+def _variant_span(tokenizer, messages, tools, turn: Turn, drop: str) -> str | None:
+    """Turn `turn.index` rendered as the last turn without its `drop` field, or None where the
+    template then renders the turns before it differently."""
+    k = turn.index
+    before = _render(tokenizer, messages[:k], tools, add_generation_prompt=True)
+    changed = {key: value for key, value in messages[k].items() if key != drop}
+    through = _render(tokenizer, [*messages[:k], changed], tools, add_generation_prompt=False)
+    return through[len(before):] if through.startswith(before) else None
+
+
+def _describe(tokenizer, messages: list[dict], tools, turn: Turn, text: str, n_tokens: int) -> None:
+    """Fill in what the turn's tokens are: how many are its reasoning and its tool calls."""
+    message, span = messages[turn.index], text[turn.start:turn.end]
+    if message.get("tool_calls"):
+        turn.tool_calls = True
+        without = _variant_span(tokenizer, messages, tools, turn, "tool_calls")
+        if without == span:
+            raise SkipSample("template_ignores_tool_calls: the chat template renders nothing for an "
+                             f"assistant message's tool calls (turn {turn.index})")
+        if without is None:  # count the calls' own text instead
+            without_tokens = n_tokens - len(_encode(tokenizer, "".join(
+                c["function"]["name"] + c["function"]["arguments"] for c in message["tool_calls"])))
+        else:
+            without_tokens = len(_encode(tokenizer, without))
+        turn.tool_call_tokens = max(0, n_tokens - without_tokens)
+    reasoning = message.get("reasoning_content", "").strip()
+    if reasoning:
+        turn.reasoning_rendered = reasoning in span
+        turn.reasoning_not_rendered = not turn.reasoning_rendered
+        turn.reasoning_tokens = len(_encode(tokenizer, reasoning)) if turn.reasoning_rendered else 0
+
+
+def tokenize_sample(tokenizer, messages: list[dict], tools, sample: Sample) -> Tokenized:
+    """Token ids of the sample's text and a 0/1 mask of its trained turns; fills in each turn's tokens."""
     ids: list[int] = []
     mask: list[int] = []
     cursor = 0
-    for start, end in spans:
-        piece = _encode(tokenizer, full[cursor:start])
+    for turn in sample.turns:
+        piece = _encode(tokenizer, sample.text[cursor:turn.start])
         ids += piece
         mask += [0] * len(piece)
-        piece = _encode(tokenizer, full[start:end])
+        piece = _encode(tokenizer, sample.text[turn.start:turn.end])
+        turn.tokens = list(range(len(ids), len(ids) + len(piece)))
+        _describe(tokenizer, messages, tools, turn, sample.text, len(piece))
         ids += piece
         mask += [1] * len(piece)
-        cursor = end
-    piece = _encode(tokenizer, full[cursor:])
+        cursor = turn.end
+    piece = _encode(tokenizer, sample.text[cursor:])
     ids += piece
     mask += [0] * len(piece)
-    return Tokenized(ids, mask, ids == _encode(tokenizer, full))
+    return Tokenized(ids, mask, ids == _encode(tokenizer, sample.text))
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], tools=None) -> Tokenized:
+    """The one sample of a conversation whose full rendering keeps every assistant turn."""
+    samples = plan_samples(tokenizer, messages, tools)
+    if len(samples) != 1:
+        raise SkipSample(f"template_not_prefix_stable: the conversation needs {len(samples)} samples")
+    return tokenize_sample(tokenizer, messages, tools, samples[0])
 
 
 def tokenize_shard(tokenizer, conversations_path: str, rows: tuple[int, int], sequence: dict,
@@ -100,61 +189,76 @@ def tokenize_shard(tokenizer, conversations_path: str, rows: tuple[int, int], se
         with atomic_path(path) as tmp:
             frame.to_parquet(tmp, index=False)
     logger.info("rows %d..%d: %d samples, %d skipped %s", start, stop, len(kept), len(skipped),
-                skipped["reason"].value_counts().to_dict())
+                skipped["reason"].str.split(":").str[0].value_counts().to_dict())
     return kept, skipped
+
+
+KEPT_COLUMNS = list(TokenizedShard.to_schema().columns)
+SKIPPED_COLUMNS = list(SkippedShard.to_schema().columns)
 
 
 def tokenize_records(
     tokenizer, rows, max_seq_len: int, min_seq_len: int
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Tokenize input rows ({source_row, record}); return (kept samples, skipped samples with reasons)."""
-    kept, skipped = [], []
+    """Tokenize input rows ({source_row, record}); return (kept samples, skipped samples with reasons).
+
+    A conversation gives one skipped row, or one row (kept or skipped) per sample it yields. A sample
+    equal to an earlier one of the shard is skipped as a duplicate (pack does the same across shards)."""
+    kept, skipped, seen = [], [], set()
     for row in rows:
         record = json.loads(row["record"])
         source = {"source_row": row["source_row"], "source_id": str(record.get("id", ""))}
         try:
-            messages = normalize_messages(record)
-            tools = record.get("tools")
-            sid = sample_id(messages, tools)
+            conversation = normalize(record)
+            sid = sample_id(conversation.messages, conversation.tools)
         except UnsupportedInput as exc:
             skipped.append({"sample_id": sample_id([{"raw": record}]), **source, "reason": str(exc)})
             continue
         try:
-            sample = _to_sample(tokenizer, messages, tools, max_seq_len, min_seq_len)
+            samples = _conversation_samples(tokenizer, conversation, max_seq_len, min_seq_len)
         except SkipSample as exc:
             skipped.append({"sample_id": sid, **source, "reason": str(exc)})
             continue
-        kept.append({"sample_id": sid, **source, **sample})
-    kept_df = pd.DataFrame(kept, columns=KEPT_COLUMNS)
-    skipped_df = pd.DataFrame(skipped, columns=["sample_id", "source_row", "source_id", "reason"])
-    return kept_df, skipped_df
+        for sample in samples:
+            if "reason" in sample:
+                skipped.append({**sample, **source})
+            elif sample["sample_id"] in seen:
+                skipped.append({"sample_id": sample["sample_id"], **source, "reason": DUPLICATE})
+            else:
+                seen.add(sample["sample_id"])
+                kept.append({**sample, **source})
+    return pd.DataFrame(kept, columns=KEPT_COLUMNS), pd.DataFrame(skipped, columns=SKIPPED_COLUMNS)
 
 
-KEPT_COLUMNS = [
-    "sample_id",
-    "source_row",
-    "source_id",
-    "input_ids",
-    "loss_mask",
-    "num_tokens",
-    "num_trainable",
-    "truncated",
-    "matches_full_tokenization",
-]
-
-
-def _to_sample(tokenizer, messages, tools, max_seq_len: int, min_seq_len: int) -> dict:
+def _conversation_samples(tokenizer, conversation, max_seq_len: int, min_seq_len: int) -> list[dict]:
+    """The conversation's samples as table rows: kept ones, or `{sample_id, reason}` for skipped ones."""
+    messages, tools = conversation.messages, conversation.tools
     if not messages:
         raise SkipSample("empty_conversation")
     if not any(m["role"] == "assistant" for m in messages):
         raise SkipSample("no_assistant_turn")
     try:
-        tokenized = tokenize_conversation(tokenizer, messages, tools)
+        samples = plan_samples(tokenizer, messages, tools)
+        tokenized = [tokenize_sample(tokenizer, messages, tools, s) for s in samples]
     except SkipSample:
         raise
     except Exception as exc:  # a template that raises on this conversation
         raise SkipSample(f"template_error: {type(exc).__name__}: {exc}") from exc
-    ids, mask = tokenized.input_ids, tokenized.loss_mask
+    rows = []
+    for part, (sample, tok) in enumerate(zip(samples, tokenized)):
+        trained = [t.index for t in sample.turns]
+        every_turn = trained == [k for k in range(sample.end) if messages[k]["role"] == "assistant"]
+        sid = sample_id(messages[:sample.end], tools, None if every_turn else trained)
+        try:
+            rows.append({"sample_id": sid, "part": part, **_truncated(sample, tok, max_seq_len, min_seq_len)})
+        except SkipSample as exc:
+            rows.append({"sample_id": sid, "reason": str(exc)})
+    return rows
+
+
+def _truncated(sample: Sample, tok: Tokenized, max_seq_len: int, min_seq_len: int) -> dict:
+    """The sample's columns after truncation to `max_seq_len`, or SkipSample."""
+    ids, mask = tok.input_ids, tok.loss_mask
     truncated = len(ids) > max_seq_len
     ids, mask = ids[:max_seq_len], mask[:max_seq_len]
     if sum(mask) == 0:
@@ -162,12 +266,27 @@ def _to_sample(tokenizer, messages, tools, max_seq_len: int, min_seq_len: int) -
             "no_trainable_tokens_after_truncation" if truncated else "no_trainable_tokens"
         )
     if len(ids) < min_seq_len:
-        raise SkipSample(f"shorter_than_min_seq_len ({len(ids)} < {min_seq_len})")
+        raise SkipSample(f"shorter_than_min_seq_len: {len(ids)} < {min_seq_len}")
+    reasoning = calls = 0
+    facts = {"has_tool_calls": False, "has_reasoning": False, "reasoning_not_rendered": 0}
+    for turn in sample.turns:
+        kept = sum(1 for p in turn.tokens if p < max_seq_len)
+        if kept == 0:
+            continue
+        facts["has_tool_calls"] |= turn.tool_calls
+        facts["has_reasoning"] |= turn.reasoning_rendered
+        facts["reasoning_not_rendered"] += turn.reasoning_not_rendered
+        # Reasoning comes before the answer and the calls; truncation cuts from the end.
+        reasoning += min(turn.reasoning_tokens, kept)
+        calls += min(turn.tool_call_tokens, kept - min(turn.reasoning_tokens, kept))
     return {
         "input_ids": ids,
         "loss_mask": mask,
         "num_tokens": len(ids),
         "num_trainable": sum(mask),
         "truncated": truncated,
-        "matches_full_tokenization": tokenized.matches_full_tokenization,
+        "matches_full_tokenization": tok.matches_full_tokenization,
+        **facts,
+        "reasoning_tokens": reasoning,
+        "tool_call_tokens": calls,
     }

@@ -1,0 +1,349 @@
+"""The conversation formats real EAGLE-3 data comes in, through the tokenize stage (no engine needed).
+
+The files under data/formats/ (ShareGPT and OpenAI tool use, content parts, reasoning, duplicates) are
+tokenized with templates written here that reproduce how real templates treat tools and reasoning:
+Qwen3's (reasoning dropped before the last user message) and Kimi-K2's (history turns get an empty
+`<think></think>`). Each kept sample's trained tokens are compared, token by token, with each assistant
+turn written out by hand from the template's layout; the untrained tokens must hold the user text and
+the tool results; every assistant turn must be trained exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from eagle3data.conversations import normalize, read_shard
+from eagle3data.demo import KIMI_STYLE_CHAT_TEMPLATE, build_demo_tokenizer
+from eagle3data.tokenization import tokenize_records, tokenize_shard
+
+from conftest import REPO, demo_config, run_snakemake
+
+FORMATS = REPO / "data" / "formats"
+
+QWEN3_STYLE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and m.reasoning_content and loop.index0 > ns.last_user %}"
+    "<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments }}}\n</tool_call>{% endfor %}'
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+KIMI_STYLE = (
+    "{% if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{% endif %}"
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<|im_user|>user<|im_middle|>"
+    "{% elif m.role == 'assistant' %}<|im_assistant|>assistant<|im_middle|>"
+    "{% else %}<|im_system|>{{ m.role }}<|im_middle|>{% endif %}"
+    "{% if m.role == 'assistant' %}<think>{% if loop.index0 > ns.last_user %}{{ m.reasoning_content or '' }}"
+    "{% endif %}</think>{% endif %}"
+    "{{ m.content }}"
+    "{% if m.tool_calls %}<|tool_calls_section_begin|>{% for c in m.tool_calls %}<|tool_call_begin|>"
+    "functions.{{ c.function.name }}:{{ loop.index0 }}<|tool_call_argument_begin|>{{ c.function.arguments }}"
+    "<|tool_call_end|>{% endfor %}<|tool_calls_section_end|>{% endif %}"
+    "<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+)
+RAISES_ON_TOOLS = (
+    "{% if tools %}{{ raise_exception('This template does not support tools.') }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen3_turn(m: dict) -> str:
+    """An assistant turn as QWEN3_STYLE writes it when the turn is the last (reasoning kept)."""
+    think = f"<think>\n{m['reasoning_content']}\n</think>\n\n" if m.get("reasoning_content") else ""
+    calls = "".join(f'<tool_call>\n{{"name": "{c["function"]["name"]}", "arguments": {c["function"]["arguments"]}}}'
+                    "\n</tool_call>" for c in m.get("tool_calls", []))
+    return f"{think}{m['content']}{calls}<|im_end|>\n"
+
+
+def kimi_turn(m: dict) -> str:
+    """An assistant turn as KIMI_STYLE writes it when the turn is the last (reasoning kept)."""
+    calls = "".join(f"<|tool_call_begin|>functions.{c['function']['name']}:{i}<|tool_call_argument_begin|>"
+                    f"{c['function']['arguments']}<|tool_call_end|>" for i, c in enumerate(m.get("tool_calls", [])))
+    section = f"<|tool_calls_section_begin|>{calls}<|tool_calls_section_end|>" if calls else ""
+    return f"<think>{m.get('reasoning_content', '')}</think>{m['content']}{section}<|im_end|>"
+
+
+TEMPLATES = {"qwen3": (QWEN3_STYLE, qwen3_turn), "kimi": (KIMI_STYLE, kimi_turn)}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """The demo's byte-level BPE tokenizer (Kimi's markers as special tokens), trained on these files."""
+    texts = [line for path in sorted(FORMATS.glob("*.jsonl")) for line in path.read_text().splitlines()]
+    tok = build_demo_tokenizer(texts, tmp_path_factory.mktemp("formats-tokenizer"))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|tool_calls_section_begin|>",
+                                                          "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                                                          "<|tool_call_argument_begin|>", "<|tool_call_end|>"]},
+                           replace_extra_special_tokens=False)
+    return tok
+
+
+def tokenize_file(tok, template: str, name: str, max_seq_len: int = 4096):
+    tok.chat_template = template
+    path = FORMATS / name
+    n = sum(1 for line in path.open() if line.strip())
+    kept, skipped = tokenize_records(tok, read_shard(path, 0, n), max_seq_len=max_seq_len, min_seq_len=1)
+    records = {i: json.loads(line) for i, line in enumerate(path.read_text().splitlines())}
+    return kept, skipped, records
+
+
+def runs(ids: list[int], mask: list[int]) -> list[list[int]]:
+    """The maximal runs of trainable token ids, in order."""
+    out, current = [], None
+    for token, m in zip(ids, mask):
+        if m and current is None:
+            current = []
+            out.append(current)
+        if m:
+            current.append(token)
+        else:
+            current = None
+    return out
+
+
+def check_masks(tok, template_name: str, kept: pd.DataFrame, records: dict) -> dict[int, list[list[int]]]:
+    """Every kept sample's mask, token by token; returns {source_row: trained turns per sample}."""
+    template, turn_text = TEMPLATES[template_name]
+    trained = {}
+    for row in kept.sort_values(["source_row", "part"]).itertuples():
+        messages = normalize(records[row.source_row]).messages
+        tools = normalize(records[row.source_row]).tools
+        ids, mask = list(row.input_ids), list(row.loss_mask)
+        turns = []
+        for run in runs(ids, mask):
+            matching = [k for k, m in enumerate(messages) if m["role"] == "assistant"
+                        and tok.encode(turn_text(m), add_special_tokens=False) == run]
+            assert matching, f"row {row.source_row} part {row.part}: trained run {tok.decode(run)!r} is no turn"
+            turns.append(matching[0])
+        assert turns == sorted(turns)
+        # The sample is the conversation up to its last trained turn, rendered as the template does.
+        end = turns[-1] + 1
+        rendered = tok.apply_chat_template(messages[:end], tools=tools, tokenize=False)
+        assert tok.decode(ids) == rendered
+        # So the trained tokens are exactly those turns; everything else (user text, tool results,
+        # system prompt and tools, earlier turns trained in other samples) is context.
+        context = tok.decode([t for t, m in zip(ids, mask) if not m])
+        assert all(m["content"] in context for m in messages[:end] if m["role"] in ("user", "tool", "system"))
+        calls = [messages[k] for k in turns if messages[k].get("tool_calls")]
+        reasoning = [messages[k]["reasoning_content"] for k in turns if messages[k].get("reasoning_content")]
+        assert row.has_tool_calls == bool(calls)
+        assert row.has_reasoning == bool(reasoning)
+        assert row.reasoning_tokens == sum(len(tok.encode(r, add_special_tokens=False)) for r in reasoning)
+        assert (row.tool_call_tokens > 0) == bool(calls)
+        assert row.reasoning_not_rendered == 0
+        trained.setdefault(row.source_row, []).append(turns)
+    for source_row, parts in trained.items():  # every assistant turn trained exactly once
+        messages = normalize(records[source_row]).messages
+        assert sorted(k for turns in parts for k in turns) == [
+            k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    return trained
+
+
+def reasons(skipped: pd.DataFrame, records: dict) -> dict[str, str]:
+    return {records[r]["id"]: reason for r, reason in zip(skipped["source_row"], skipped["reason"])}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Normalization: what each form becomes
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_sharegpt_function_call_turns_become_assistant_tool_calls():
+    records = [json.loads(line) for line in (FORMATS / "sharegpt_tools.jsonl").read_text().splitlines()]
+    conversation = normalize(records[1])
+    assert conversation.tools == [{"type": "function", "function": json.loads(records[1]["tools"])[0]}]
+    call = lambda value, unit, to: {"type": "function", "function": {  # noqa: E731
+        "name": "convert_units", "arguments": json.dumps({"value": value, "from": unit, "to": to})}}
+    assert conversation.messages == [
+        {"role": "system", "content": "You convert units precisely."},
+        {"role": "user", "content": "How many kilometres is a marathon in miles, and 5 kg in pounds?"},
+        # The text turn and the parallel calls after it are one assistant message.
+        {"role": "assistant", "content": "Let me convert both.",
+         "tool_calls": [call(26.2, "mi", "km"), call(5, "kg", "lb")]},
+        {"role": "tool", "content": "42.16", "name": "convert_units"},
+        {"role": "tool", "content": "11.02", "name": "convert_units"},
+        {"role": "assistant", "content": "A marathon is 42.16 km, and 5 kg is 11.02 lb."},
+    ]
+    # A top-level system field is the system message; arguments already a string stay verbatim.
+    first, third = normalize(records[0]).messages, normalize(records[2]).messages
+    assert first[0] == {"role": "system", "content": "You are a weather assistant. Use the tools."}
+    assert first[2] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]}
+    assert third[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    assert third[2] == {"role": "tool", "content": "snow, -4 C", "name": "get_weather"}
+
+
+def test_openai_tool_results_are_linked_to_their_calls_by_id():
+    records = [json.loads(line) for line in (FORMATS / "openai_tools.jsonl").read_text().splitlines()]
+    messages = normalize(records[1]).messages
+    assert messages[3] == {"role": "tool", "content": "no such book", "tool_call_id": "r2", "name": "reserve_book"}
+    assert messages[4] == {"role": "tool", "content": "reserved", "tool_call_id": "r1", "name": "reserve_book"}
+    # Object arguments become the JSON string OpenAI's API would give; the legacy function_call too.
+    assert normalize(records[0]).messages[3]["tool_calls"][0] == {
+        "type": "function", "id": "call_a2", "function": {"name": "reserve_book", "arguments": '{"book_id": "b17"}'}}
+    legacy = normalize(records[2]).messages
+    assert legacy[1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "search_books", "arguments": '{"query": "octopus"}'}}]
+    assert legacy[2] == {"role": "tool", "content": "[]", "name": "search_books"}
+    assert normalize(records[1]).tools == records[0]["tools"]  # the JSON-string tools equal the list
+
+
+def test_text_parts_are_concatenated_and_reasoning_parts_become_reasoning_content():
+    records = [json.loads(line) for line in (FORMATS / "openai_parts_reasoning.jsonl").read_text().splitlines()]
+    assert normalize(records[0]).messages == [
+        {"role": "user", "content": "Summarize: cats sleep a lot."},
+        {"role": "assistant", "content": "Cats nap most of the day."}]
+    messages = normalize(records[2]).messages
+    assert [m.get("reasoning_content") for m in messages[1::2]] == [
+        "12 * 12 = 144.", "sqrt(144) = 12, doubled is 24.", "A short acknowledgement fits."]
+    assert [m["content"] for m in messages[1::2]] == ["144.", "24.", "You're welcome!"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Masks, token by token, through the tokenize stage
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("template", ["qwen3", "kimi"])
+def test_sharegpt_tools_masks_and_skips(tokenizer, template):
+    kept, skipped, records = tokenize_file(tokenizer, TEMPLATES[template][0], "sharegpt_tools.jsonl")
+    trained = check_masks(tokenizer, template, kept, records)
+    assert {records[r]["id"] for r in trained} == {"sg-tools-0", "sg-tools-1", "sg-tools-2"}
+    assert all(len(parts) == 1 for parts in trained.values())  # no reasoning: one sample each
+    found = reasons(skipped, records)
+    assert found["sg-tools-3"].startswith("bad_tool_call: function_call value is not JSON")
+    assert found["sg-tools-4"].startswith("bad_tools: the tools string is not JSON")
+    assert len(found) == 2 and len(kept) + len(skipped) == len(records)
+    assert kept["has_tool_calls"].sum() == 3
+
+
+@pytest.mark.parametrize("template", ["qwen3", "kimi"])
+def test_openai_tools_masks_and_skips(tokenizer, template):
+    kept, skipped, records = tokenize_file(tokenizer, TEMPLATES[template][0], "openai_tools.jsonl")
+    trained = check_masks(tokenizer, template, kept, records)
+    assert [records[r]["id"] for r in sorted(trained)] == ["oa-tools-0", "oa-tools-1", "oa-tools-2"]
+    assert trained[0] == [[1, 3, 5]]  # the calls, the text before a call and the answer, all trained
+    found = reasons(skipped, records)
+    assert found == {"oa-tools-3": "bad_tool_call: a call without a function name",
+                     "oa-tools-4": "bad_tools: a tool without a type or a function name"}
+
+
+def test_reasoning_qwen3_style_splits_where_history_loses_its_reasoning(tokenizer):
+    kept, skipped, records = tokenize_file(tokenizer, QWEN3_STYLE, "openai_parts_reasoning.jsonl")
+    trained = check_masks(tokenizer, "qwen3", kept, records)
+    ids = {records[r]["id"]: parts for r, parts in trained.items()}
+    assert ids["parts-0"] == [[1]] and ids["reason-0"] == [[1]]
+    # Three user turns: each answer keeps its reasoning only while it is the last; one sample each.
+    assert ids["reason-1"] == [[1], [3], [5]]
+    # The call and the answer after the tool result share the last user turn: one sample for both.
+    assert ids["reason-tools-0"] == [[1, 3], [5]]
+    assert reasons(skipped, records) == {"image-0": "non_text_content:image_url",
+                                        "audio-0": "non_text_content:input_audio"}
+    split = kept.groupby("source_row")["part"].agg(list)
+    assert all(parts == list(range(len(parts))) for parts in split)
+    assert kept["sample_id"].is_unique and len(kept) == 7
+
+
+def test_reasoning_kimi_style_history_turns_get_empty_think(tokenizer):
+    kept, skipped, records = tokenize_file(tokenizer, KIMI_STYLE, "openai_parts_reasoning.jsonl")
+    ids = {records[r]["id"]: parts for r, parts in check_masks(tokenizer, "kimi", kept, records).items()}
+    assert ids["reason-1"] == [[1], [3], [5]] and ids["reason-tools-0"] == [[1, 3], [5]]
+    # The last sample of reason-1 shows the history as the template writes it: empty thinking.
+    last = kept[(kept["source_row"] == 2) & (kept["part"] == 2)].iloc[0]
+    assert tokenizer.decode(last["input_ids"]).count("<think></think>") == 2
+    assert kept["has_reasoning"].sum() == 6  # every sample but parts-0's
+
+
+def test_a_template_without_reasoning_keeps_the_answer_and_counts_the_reasoning_it_drops(tokenizer):
+    kept, _, records = tokenize_file(tokenizer, KIMI_STYLE_CHAT_TEMPLATE, "openai_parts_reasoning.jsonl")
+    rows = {records[r]["id"]: row for r, row in zip(kept["source_row"], kept.itertuples())}
+    assert rows["reason-1"].reasoning_not_rendered == 3 and not rows["reason-1"].has_reasoning
+    assert rows["reason-0"].reasoning_not_rendered == 1 and rows["reason-0"].reasoning_tokens == 0
+    trainable = tokenizer.decode([t for t, m in zip(rows["reason-0"].input_ids, rows["reason-0"].loss_mask) if m])
+    assert trainable == "No: 91 is 7 × 13.<|im_end|>"
+
+
+def test_templates_that_cannot_render_tools_give_skips_with_the_reason(tokenizer):
+    _, skipped, records = tokenize_file(tokenizer, KIMI_STYLE_CHAT_TEMPLATE, "sharegpt_tools.jsonl")
+    found = reasons(skipped, records)
+    assert found["sg-tools-0"] == "template_ignores_tools: the chat template renders nothing for the tools list"
+    _, skipped, records = tokenize_file(tokenizer, RAISES_ON_TOOLS, "openai_tools.jsonl")
+    found = reasons(skipped, records)
+    assert found["oa-tools-0"] == "template_error: TemplateError: This template does not support tools."
+    # Calls without a tools list, under a template that prints only content: the calls would vanish.
+    tokenizer.chat_template = KIMI_STYLE_CHAT_TEMPLATE
+    record = {"messages": [{"role": "user", "content": "Find tides."}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "search_books", "arguments": "{}"}}]}]}
+    kept, skipped = tokenize_records(tokenizer, [{"source_row": 0, "record": json.dumps(record)}], 4096, 1)
+    assert kept.empty and skipped["reason"].iloc[0].startswith("template_ignores_tool_calls:")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Duplicates, and the stage's files
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_duplicates_in_one_shard_are_recorded_skips(tokenizer, tmp_path):
+    tokenizer.chat_template = QWEN3_STYLE
+    path = FORMATS / "duplicates.jsonl"
+    out, skipped_out = tmp_path / "shard.parquet", tmp_path / "shard.skipped.parquet"
+    kept, skipped = tokenize_shard(tokenizer, str(path), (0, 6), {"max_seq_len": 512, "min_seq_len": 1},
+                                   str(out), str(skipped_out))
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [records[r]["id"] for r in kept["source_row"]] == ["dup-0", "dup-2", "dup-3"]
+    # ShareGPT and OpenAI forms of one conversation, and text parts that join to the same text, are equal.
+    assert {records[r]["id"]: reason for r, reason in zip(skipped["source_row"], skipped["reason"])} == {
+        "dup-1": "duplicate_conversation", "dup-4": "duplicate_conversation", "dup-5": "duplicate_conversation"}
+    assert set(skipped["sample_id"]) <= set(kept["sample_id"])
+    assert pd.read_parquet(out)["sample_id"].tolist() == kept["sample_id"].tolist()
+    assert len(pd.read_parquet(skipped_out)) == 3
+
+
+def test_split_conversations_reconcile_at_pack():
+    from eagle3data.pack import _reconcile, _split_samples
+
+    kept = pd.DataFrame({"source_row": [0, 0, 0, 1], "sample_id": list("abcd")})  # row 0: three samples
+    skipped = pd.DataFrame({"sample_id": ["e", "f"], "source_row": [1, 2], "source_id": ["", ""],
+                            "reason": ["shorter_than_min_seq_len: 3 < 8", "non_text_content:image_url"]})
+    split = _split_samples([kept, kept.iloc[:0], skipped])
+    assert split == 3  # rows 0 and 1 give two samples beyond their first
+    counts = _reconcile(3, split, 4, [skipped])
+    assert counts["split_samples"] == 3 and counts["skip_reasons"] == {"shorter_than_min_seq_len": 1,
+                                                                      "non_text_content": 1}
+    with pytest.raises(Exception, match="do not reconcile"):
+        _reconcile(3, 0, 4, [skipped])
+
+
+def test_snakemake_tokenizes_every_format_file_without_a_failed_job(tmp_path):
+    """A real run of the tokenize rule on the demo model's tokenizer and template, every file at once."""
+    rows = [line for path in sorted(FORMATS.glob("*.jsonl")) for line in path.read_text().splitlines()]
+    data = tmp_path / "formats.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    config = demo_config(input=str(data), run="formats", shard_size=8)
+    config["model"]["path"] = str(tmp_path / "model")
+    shards = [f"results/formats/tokenized/shard-{i:05d}.parquet" for i in range((len(rows) + 7) // 8)]
+    run_snakemake(tmp_path, *shards, config=config, timeout=600)
+    kept = pd.concat(pd.read_parquet(tmp_path / s) for s in shards)
+    skipped = pd.concat(pd.read_parquet(tmp_path / s.replace(".parquet", ".skipped.parquet")) for s in shards)
+    assert set(kept["source_row"]) | set(skipped["source_row"]) == set(range(len(rows)))
+    assert len(kept) + len(skipped) == len(rows)  # the demo template rewrites no turn: nothing splits
+    # The demo template renders neither tools nor calls: tool data is skipped, with the reason.
+    assert skipped["reason"].str.split(":").str[0].value_counts().to_dict() == {
+        "template_ignores_tools": 7, "duplicate_conversation": 3, "bad_tool_call": 2, "bad_tools": 2,
+        "non_text_content": 2}
+    assert kept["reasoning_not_rendered"].sum() == 4 and not kept["has_reasoning"].any()
