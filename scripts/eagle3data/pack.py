@@ -5,7 +5,9 @@ batch with `datasets`' ArrowWriter, then the dataset's state and info files are 
 directory is renamed into place, so a crash never leaves a dataset that looks complete. Before that,
 every boundary is checked again: each shard's tables against their contracts, each states file against
 the checksums validate recorded (a file changed since is refused), the counts (conversations in = packed
-+ skipped, quarantined samples included), and the finished dataset as `check_dataset` sees it.
++ skipped, quarantined samples included; a conversation that tokenize split into several samples adds
+each sample after its first to the samples in: `split_samples`), and the finished dataset as
+`check_dataset` sees it.
 """
 
 from __future__ import annotations
@@ -155,11 +157,12 @@ def run(job: PackJob) -> dict:
     skipped = [check(SkippedShard, pd.read_parquet(p), p) for p in job.skipped]
     manifest_contract = states_manifest_contract(meta["hidden_size"], meta["dtype"])
     captures_contract = sample_states_contract(tuple(c["name"] for c in meta["captures"]))
-    began, nbytes, packed = time.perf_counter(), 0, 0
+    began, nbytes, packed, split = time.perf_counter(), 0, 0, 0
     n = len(job.tokenized)
     shards = list(zip(job.tokenized, job.states, job.quarantined))
     for i, paths in enumerate(tqdm(shards, desc="pack", unit="shard")):
         tokenized, manifest, quarantined = _checked_shard(*paths, manifest_contract, captures_contract)
+        split += _split_samples([tokenized, quarantined, skipped[i]])
         skipped.append(quarantined)
         writer = ArrowWriter(features=features, path=str(tmp / f"data-{i:05d}-of-{n:05d}.arrow"))
         # The next batch's files are read and verified in a thread while this batch is written.
@@ -171,7 +174,7 @@ def run(job: PackJob) -> dict:
             del columns, states, batch  # before the next is read: two batches in memory at most
         writer.finalize()
         writer.close()
-    counts = _reconcile(job.conversations_in, packed, skipped + [pd.DataFrame(dup_rows, columns=[
+    counts = _reconcile(job.conversations_in, split, packed, skipped + [pd.DataFrame(dup_rows, columns=[
         "sample_id", "source_row", "source_id", "reason"])])
     meta = {**meta, "format_version": fmt.FORMAT_VERSION, "counts": counts}
     _write_dataset_files(tmp, n, features, meta)
@@ -213,16 +216,24 @@ def _record_batch(columns: dict, states, features: datasets.Features):
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _reconcile(conversations_in: int, packed: int, skipped_frames: list[pd.DataFrame]) -> dict:
+def _split_samples(shard_tables: list[pd.DataFrame]) -> int:
+    """Samples beyond one per conversation in a shard's tables (kept, quarantined, skipped at tokenize):
+    within a shard, a conversation's samples share its `source_row`."""
+    rows = pd.concat([t["source_row"] for t in shard_tables], ignore_index=True)
+    return len(rows) - rows.nunique()
+
+
+def _reconcile(conversations_in: int, split: int, packed: int, skipped_frames: list[pd.DataFrame]) -> dict:
     skipped = pd.concat(skipped_frames, ignore_index=True)
     reasons = skipped["reason"].str.split(":").str[0].value_counts().to_dict()
-    if packed + len(skipped) != conversations_in:
+    if packed + len(skipped) != conversations_in + split:
         raise ReconciliationError(
-            f"counts do not reconcile: {conversations_in} conversations in, {packed} packed + "
-            f"{len(skipped)} skipped = {packed + len(skipped)}"
+            f"counts do not reconcile: {conversations_in} conversations in + {split} samples split from "
+            f"them, {packed} packed + {len(skipped)} skipped = {packed + len(skipped)}"
         )
     return {
         "conversations_in": conversations_in,
+        "split_samples": split,
         "packed": packed,
         "skipped": len(skipped),
         "skip_reasons": {k: int(v) for k, v in reasons.items()},

@@ -13,6 +13,7 @@ that wording is how failures.py shows each failure's expected and found values.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -34,7 +35,15 @@ def _has(df: pd.DataFrame, tensor: str) -> pd.Series:
 
 
 class TokenizedShard(pa.DataFrameModel):
-    """One row per kept sample of a shard, written by `tokenize`."""
+    """One row per kept sample of a shard, written by `tokenize`.
+
+    The facts after `matches_full_tokenization` describe the sample's trained turns (after truncation);
+    `tokenize` always writes them, and they are optional so that shards of bare token prompts (the
+    engine checks' and benchmarks' synthetic shards) stay valid. `part` numbers the samples of one
+    conversation (0 for the first; a conversation splits where the template rewrites earlier turns);
+    `reasoning_tokens` and `tool_call_tokens` count the trainable tokens of the turns' reasoning text and
+    of what their tool calls add to the turn; `reasoning_not_rendered` counts trained turns that carry
+    reasoning the template does not render."""
 
     sample_id: Series[str] = pa.Field(unique=True, str_length={"min_value": 8})
     source_row: Series[int] = pa.Field(ge=0)
@@ -45,6 +54,24 @@ class TokenizedShard(pa.DataFrameModel):
     num_trainable: Series[int] = pa.Field(ge=1)
     truncated: Series[bool]
     matches_full_tokenization: Series[bool]
+    part: Optional[Series[int]] = pa.Field(ge=0)
+    has_tool_calls: Optional[Series[bool]]
+    has_reasoning: Optional[Series[bool]]
+    reasoning_not_rendered: Optional[Series[int]] = pa.Field(ge=0)
+    reasoning_tokens: Optional[Series[int]] = pa.Field(ge=0)
+    tool_call_tokens: Optional[Series[int]] = pa.Field(ge=0)
+
+    @pa.dataframe_check(error="reasoning_tokens + tool_call_tokens <= num_trainable")
+    def role_tokens_trainable(cls, df: pd.DataFrame) -> pd.Series:
+        if not {"reasoning_tokens", "tool_call_tokens"} <= set(df.columns):
+            return pd.Series(True, index=df.index)
+        return df["reasoning_tokens"] + df["tool_call_tokens"] <= df["num_trainable"]
+
+    @pa.dataframe_check(error="has_reasoning == (reasoning_tokens > 0)")
+    def reasoning_counted(cls, df: pd.DataFrame) -> pd.Series:
+        if not {"has_reasoning", "reasoning_tokens"} <= set(df.columns):
+            return pd.Series(True, index=df.index)
+        return df["has_reasoning"] == (df["reasoning_tokens"] > 0)
 
     @pa.dataframe_check(error="len(input_ids) == num_tokens")
     def ids_length(cls, df: pd.DataFrame) -> pd.Series:
