@@ -1,11 +1,13 @@
 """Re-runs after crashes, failed samples and changed inputs: nothing finished is computed twice.
 
-Real workflow runs on the first 8 (or 12) demo conversations, one sample per engine call so that a run
-stopped mid-shard leaves the same batches to compute as an uninterrupted run. Runs are killed with the
+Real workflow runs on the first 8 (or 12) demo conversations, one sample per engine call so that a kill
+point counted in batches is a count of samples. Runs are killed with the
 test-only hook `EAGLE3DATA_TEST_KILL_AT` (eagle3data.testing): at a named point the process group of the
 whole run (snakemake, the job, vLLM's processes) gets SIGKILL, as in a node crash. A file's inode and
 mtime change whenever it is written again (every write is a rename of a new file), so an unchanged
-(inode, mtime) proves a finished sample was never computed again. Each engine start costs ~30 s here.
+(inode, mtime) proves a finished sample was never computed again. Every resumed or retried run's dataset
+must equal the uninterrupted run's under the reproducibility contract (eagle3data.reproducibility).
+Each engine start costs ~30 s here.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import yaml
 from conftest import DEMO_CONVERSATIONS, REPO, SNAKEMAKE, demo_config, run_snakemake, with_defaults
 from safetensors import safe_open
 
+from eagle3data.reproducibility import dataset_differences
 from eagle3data.settings import Settings
 from eagle3data.testing import KILL_ENV
 
@@ -103,11 +106,9 @@ def dataset(workdir: Path):
 
 
 def assert_same_dataset(workdir: Path, reference: Path) -> None:
-    """Same rows in the same order, the tensor data identical bit for bit."""
-    found, expected = dataset(workdir), dataset(reference)
-    assert found.column_names == expected.column_names
-    for column in expected.column_names:
-        assert found[column].equals(expected[column]), f"column {column} differs from the uninterrupted run"
+    """The same samples in the same order, with the same tokens and states (the contract: bitwise)."""
+    problems = dataset_differences(workdir / RUN / "dataset", reference / RUN / "dataset")
+    assert not problems, "differs from the uninterrupted run:\n" + "\n".join(problems)
 
 
 def assert_unchanged(before: dict, after: dict) -> None:

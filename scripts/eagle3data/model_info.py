@@ -72,6 +72,30 @@ def check_cpu_engine_support(info: ModelInfo) -> None:
         )
 
 
+# vLLM-CPU's MLA backends: it picks AMX_MLA on CPUs with AMX tiles whatever the dtype, and AMX_MLA
+# computes bf16 only (float32 fails while the engine starts: "expect weight to be bfloat16, ...").
+CPU_MLA_BACKEND_DTYPES = {"AMX_MLA": ("bfloat16",), "CPU_MLA": ("bfloat16", "float32")}
+
+
+def cpu_attention_backend(info: ModelInfo, dtype: str, requested: str | None) -> str | None:
+    """The attention backend to ask vLLM-CPU for: `requested` (engine.attention_backend), except that an
+    MLA model in a dtype AMX_MLA cannot compute gets CPU_MLA when none was requested. A requested backend
+    that cannot compute the dtype is refused here, before the engine starts."""
+    if not info.uses_mla or dtype == "bfloat16":
+        return requested
+    if requested is None:
+        return "CPU_MLA"
+    computes = CPU_MLA_BACKEND_DTYPES.get(requested)
+    if computes is None or dtype not in computes:
+        what = f"computes MLA in {' and '.join(computes)} only" if computes else "is not an MLA backend"
+        raise ModelConfigError(
+            f"engine.attention_backend: {requested} cannot run the MLA attention of {info.model_type} "
+            f"({info.path}) in {dtype} on vLLM-CPU: it {what}. Set engine.attention_backend: CPU_MLA (or "
+            f"null: chosen for the dtype), or model.dtype: bfloat16."
+        )
+    return requested
+
+
 def check_expectations(info: ModelInfo, hidden_size: int | None, num_hidden_layers: int | None) -> None:
     """Compare the config's expectations with the checkpoint; raise naming both values."""
     for name, expected, found in (

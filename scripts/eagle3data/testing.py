@@ -1,14 +1,18 @@
-"""Test-only hooks: make chosen samples fail, or SIGKILL a run at a named point. Never set in real runs.
+"""Test-only hooks: make chosen samples fail, or stop a run at a named point. Never set in real runs.
 
 - `testing.fail_samples: [sample ids]` in the config: extract fails each listed sample when it computes
   it, as if its request had failed, so the per-sample failure path runs on a real engine.
 - `EAGLE3DATA_TEST_KILL_AT=<pattern>[#n]` in the environment: the n-th time (default 1) this process
   reaches a point whose name matches the glob `pattern`, it SIGKILLs its whole process group: started
-  in its own session, that is the whole `snakemake` run, as a node crash or `kill -9` would. Points:
-  `extract:engine_ready` (before the first sample), `extract:batch_done` (after each batch's
-  generate() returned and its replies were checked; its files are checked as they land), `write:<final
-  path>` (a file written in full under its temporary name, not yet renamed: `store.atomic_path`, in
-  whichever process writes it, vLLM's worker included).
+  in its own session, that is the whole `snakemake` run, as a node crash or `kill -9` would.
+- `EAGLE3DATA_TEST_PAUSE_AT=<pattern>[#n]`: at that point the process says so on stderr and waits until
+  it is killed, so that a test can cancel a job (`scancel`) at a known point, not at whatever point a
+  race with the job's own progress gives.
+
+Points: `extract:engine_ready` (before the first sample), `extract:batch_done` (after each batch's
+generate() returned and its replies were checked; its files are checked as they land), `write:<final
+path>` (a file written in full under its temporary name, not yet renamed: `store.atomic_path`, in
+whichever process writes it, vLLM's worker included).
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ import fnmatch
 import os
 import signal
 import sys
+import time
 
 KILL_ENV = "EAGLE3DATA_TEST_KILL_AT"
+PAUSE_ENV = "EAGLE3DATA_TEST_PAUSE_AT"
+PAUSED = "pausing until killed"  # in the line a paused process writes
 _reached: collections.Counter = collections.Counter()
 
 
@@ -35,16 +42,25 @@ def fail_on_purpose(sample_id: str, fail_samples) -> None:
         )
 
 
-def kill_point(name: str) -> None:
-    """SIGKILL this process group if EAGLE3DATA_TEST_KILL_AT names this point (see the module doc)."""
-    spec = os.environ.get(KILL_ENV)
+def _reached_nth(env: str, name: str) -> str | None:
+    """The hook's setting when this is the n-th time this process reaches a point it names, else None."""
+    spec = os.environ.get(env)
     if not spec:
-        return
+        return None
     pattern, _, nth = spec.partition("#")
     if not fnmatch.fnmatchcase(name, pattern):
-        return
-    _reached[pattern] += 1
-    if _reached[pattern] == int(nth or 1):
+        return None
+    _reached[env, pattern] += 1
+    return spec if _reached[env, pattern] == int(nth or 1) else None
+
+
+def kill_point(name: str) -> None:
+    """SIGKILL this process group, or wait to be killed, if the hooks name this point (module doc)."""
+    if spec := _reached_nth(KILL_ENV, name):
         print(f"{KILL_ENV}={spec}: killing process group {os.getpgrp()} at {name}", file=sys.stderr,
               flush=True)
         os.killpg(os.getpgrp(), signal.SIGKILL)
+    if spec := _reached_nth(PAUSE_ENV, name):
+        print(f"{PAUSE_ENV}={spec}: {PAUSED} at {name}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
