@@ -440,7 +440,9 @@ def test_float32_mla_on_cpu_gets_cpu_mla_and_a_backend_that_cannot_compute_it_is
     kwargs = engine.engine_kwargs(str(tiny_deepseek), parse_captures(DEMO_CAPTURES, 8), "float32", 256,
                                   engine_config({"device": "cpu"}), False, "/unused")
     chosen = engine.cpu_engine_kwargs(kwargs)
-    assert (chosen["attention_backend"], chosen["max_num_seqs"]) == ("CPU_MLA", 1)
+    assert (chosen["attention_backend"], chosen["max_num_seqs"]) == ("CPU_MLA", 1)  # 1: it captures
+    generating = {k: v for k, v in kwargs.items() if k not in ("speculative_config", "kv_transfer_config")}
+    assert engine.cpu_engine_kwargs(generating)["max_num_seqs"] == kwargs["max_num_seqs"] == 64
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 
 Prefix caching would skip the shared prefix's forward pass (and its states); sampling one token is the
 cheapest way to run a prefill. The hidden-states connector (connector.py) writes each request's states
-from the worker that holds them. On vLLM-CPU every engine step holds one request: a sample's states
-then depend on its tokens alone, not on which requests timing put beside it (docs/rerun.md).
+from the worker that holds them. On vLLM-CPU every step of a capturing engine holds one request: a
+sample's states then depend on its tokens alone, not on which requests timing put beside it
+(docs/rerun.md).
 """
 
 from __future__ import annotations
@@ -91,17 +92,20 @@ def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_
 def cpu_engine_kwargs(kwargs: dict) -> dict:
     """`kwargs` as vLLM-CPU must get them, after refusing models it computes wrongly.
 
-    One request per engine step (max_num_seqs 1): measured on vllm-cpu 0.32 (docs/rerun.md), a sample's
-    bf16 states change with the other requests in its step (up to 5 % relative at the last capture of
-    the demo), and which requests share a step depends on when they reach the engine, so a killed and
-    resumed run, or one on a busy machine, was not bit-identical to an uninterrupted one. Alone in its
-    step a sample's states were the same bits in every batch, order, thread count (1, 2) and load.
-    The attention backend is chosen for the dtype (model_info.cpu_attention_backend).
+    An engine that captures states runs one request per engine step (max_num_seqs 1): measured on
+    vllm-cpu 0.32 (docs/rerun.md), a sample's bf16 states change with the other requests in its step
+    (up to 5 % relative at the demo's last capture), and which requests share a step depends on when
+    they reach the engine, so a killed and resumed run, or one on a busy machine, was not bit-identical
+    to an uninterrupted one. Alone in its step a sample had the same bits in every batch, order, thread
+    count (1, 2) and load. Engines that only generate (regenerate.py) keep their batching. The attention
+    backend is chosen for the dtype (model_info.cpu_attention_backend).
     """
     info = read_model_info(kwargs["model"])
     check_cpu_engine_support(info)
+    chosen = dict(kwargs)
+    if kwargs.get("speculative_config", {}).get("method") == "extract_hidden_states":
+        chosen["max_num_seqs"] = 1
     backend = cpu_attention_backend(info, kwargs["dtype"], kwargs.get("attention_backend"))
-    chosen = {**kwargs, "max_num_seqs": 1}
     if backend is not None:
         chosen["attention_backend"] = backend
     return chosen
