@@ -1,5 +1,5 @@
 # eagle3-datagen: chat conversations in, EAGLE-3 training data (target hidden states) out.
-# tokenize -> extract -> validate -> pack -> vocab -> report (+ trainer exports); see README.md.
+# (regenerate ->) tokenize -> extract -> validate -> pack -> vocab -> report (+ trainer exports); see README.md.
 
 
 configfile: "config/config.yaml"
@@ -7,6 +7,7 @@ configfile: "config/config.yaml"
 
 include: "rules/common.smk"
 include: "rules/model.smk"
+include: "rules/regenerate.smk"
 include: "rules/tokenize.smk"
 include: "rules/extract.smk"
 include: "rules/validate.smk"
@@ -23,6 +24,7 @@ rule all:
         rules.vocab.output,
         rules.report.output,
         EXPORTS,
+        REGENERATE_OUTPUTS,
 
 
 onerror:

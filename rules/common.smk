@@ -50,3 +50,13 @@ def quarantine_records(wildcards):
     return sorted(
         glob.glob(f"{RUN_DIR}/quarantine/shard-{wildcards.shard}/*.reason.txt")
     )
+
+
+def tokenize_conversations(wildcards):
+    """What tokenize reads: the input rows, or the shard's regenerated conversations and their stats."""
+    if not config["regenerate"]["enabled"]:
+        return {"conversations": config["input"]}
+    return {
+        "conversations": rules.regenerate.output.conversations.format(**wildcards),
+        "regenerated": rules.regenerate.output.stats.format(**wildcards),
+    }

@@ -1,7 +1,7 @@
 # Render each shard's conversations with the chat template; assistant-only loss mask; skips recorded.
 rule tokenize:
     input:
-        conversations=config["input"],
+        unpack(tokenize_conversations),
         model=model_input,
     output:
         tokenized=f"{RUN_DIR}/tokenized/shard-{{shard}}.parquet",

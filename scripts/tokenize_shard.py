@@ -11,5 +11,11 @@ from transformers import AutoTokenizer  # noqa: E402
 tokenizer = AutoTokenizer.from_pretrained(
     sm.params.model_path, trust_remote_code=sm.params.trust_remote_code
 )
-tokenize_shard(tokenizer, sm.input.conversations, sm.params.rows, sm.params.sequence,
-               sm.output.tokenized, sm.output.skipped)
+if "regenerated" in sm.input.keys():  # regenerate.enabled: the shard's regenerated conversations
+    from eagle3data.regenerated import tokenize_regenerated
+
+    tokenize_regenerated(tokenizer, sm.input.conversations, sm.input.regenerated, sm.params.sequence,
+                         sm.output.tokenized, sm.output.skipped)
+else:
+    tokenize_shard(tokenizer, sm.input.conversations, sm.params.rows, sm.params.sequence,
+                   sm.output.tokenized, sm.output.skipped)

@@ -1,0 +1,27 @@
+"""Snakemake script for rule regenerate: see eagle3data.regenerate."""
+
+from eagle3data.jobinfo import start_job
+from eagle3data.logs import redirect_output_to
+
+if __name__ == "__main__":
+    sm = snakemake  # noqa: F821
+    redirect_output_to(sm.log[0])
+    start_job(sm.resources.gpu)  # claims this job's GPUs: before anything starts CUDA
+    from eagle3data.regenerate import RegenerateJob, run
+
+    run(
+        RegenerateJob(
+            conversations=sm.input.conversations,
+            rows=tuple(sm.params.rows),
+            out=sm.output.conversations,
+            responses=sm.output.responses,
+            stats=sm.output.stats,
+            journal=sm.params.journal,
+            model_path=sm.params.model["path"],
+            trust_remote_code=sm.params.model["trust_remote_code"],
+            dtype=sm.params.model["dtype"],
+            max_seq_len=sm.params.max_seq_len,
+            engine=dict(sm.config["engine"]),  # read at run time: engine settings do not change the data
+            settings=dict(sm.params.settings),
+        )
+    )
