@@ -1,5 +1,5 @@
 """The packed demo dataset feeds real EAGLE-3 trainers: speculators 0.9 trains on its export (on CPU, via
-tests/speculators_cpu.py), SpecForge 0.2's offline reader reads its export tensor for tensor as the packed
+eagle3data.bench.speculators_cpu), SpecForge 0.2's offline reader reads its export tensor for tensor as the packed
 dataset holds them, and both libraries accept the pipeline's draft vocabulary.
 
 The trainers are test-only dependencies (envs/setup.sh installs them with --no-deps, keeping this torch).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, demo_config, run_snakemake
+from conftest import demo_config, run_snakemake
 from safetensors.torch import load_file
 
 from eagle3data import open_dataset
@@ -84,7 +84,7 @@ def test_speculators_trains_on_its_export_on_cpu(exported, tmp_path):
     data = run / RUN / "export" / "speculators"
     metrics = tmp_path / "metrics.jsonl"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "speculators_cpu.py"), str(metrics),
+        [sys.executable, "-m", "eagle3data.bench.speculators_cpu", str(metrics),
          "--verifier-name-or-path", str(run / MODEL), "--data-path", str(data), "--speculator-type", "eagle3",
          "--target-layer-ids", "2", "4", "5", "--draft-vocab-size", "256", "--total-seq-len", "512",
          "--num-workers", "0", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",

@@ -1,0 +1,101 @@
+"""Figure 8's training data: real Snakemake runs of this pipeline (speculators export enabled), and the
+per-arm training directories built from their exports.
+
+Each run's input is the arm's training conversations followed by the evaluation conversations (the
+held-out prompts with the target's own greedy answers), so one run yields both; the trainer validates
+on the last rows, which makes its validation split exactly the teacher-forced control the figure
+reports. Arm (d) rolls each training row's states by one token
+(`torch.roll(states, 1, dims=0)`), a misalignment that every structural check would miss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+REPO = Path(__file__).resolve().parents[3]
+CAPTURES = [{"layer": 2, "point": "input"}, {"layer": 15, "point": "input"},
+            {"layer": 27, "point": "input"}, {"layer": 29, "point": "output"}]
+LAYER_IDS = [2, 15, 27]  # speculators' --target-layer-ids for SmolLM2-135M (30 layers)
+
+
+def write_jsonl(rows: list[dict], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def pipeline_config(run: str, conversations: Path, model: Path, draft_vocab: int, extra: dict | None = None) -> dict:
+    return {
+        "run": run, "input": str(conversations), "shard_size": 512,
+        "model": {"path": str(model), "build_demo": False, "dtype": "bfloat16", "hidden_size": 576, "num_hidden_layers": 30},
+        "captures": CAPTURES, "sequence": {"max_seq_len": 512, "min_seq_len": 8},
+        "draft_vocab_size": draft_vocab,
+        "engine": {"device": "cpu", "max_num_batched_tokens": 4096, "max_num_seqs": 64, "batch_samples": 256,
+                   "cpu_kv_cache_gib": 1},
+        "export": {"speculators": {"enabled": True}},
+        **(extra or {}),
+    }
+
+
+def run_pipeline(workdir: Path, config: dict, log: Path) -> Path:
+    """Run the real workflow in `workdir` with `config`; its speculators export directory."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_file = workdir / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
+           "--cores", "2", "--configfile", str(config_file)]
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=workdir,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"snakemake failed ({proc.returncode}); see {log}")
+    return workdir / "results" / config["run"] / "export" / "speculators"
+
+
+def check_order(export: Path, model: Path, prompts: list[str]) -> None:
+    """The export holds one row per conversation, in input order (pack keeps it): row i has prompt i."""
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    rows, tokenizer = load_from_disk(str(export)), AutoTokenizer.from_pretrained(str(model))
+    if len(rows) != len(prompts):
+        raise RuntimeError(f"{export}: {len(rows)} rows for {len(prompts)} conversations (some were skipped)")
+    for i, prompt in enumerate(prompts):
+        if prompt not in tokenizer.decode(rows[i]["input_ids"]):
+            raise RuntimeError(f"{export}: row {i} does not hold prompt {i} ({prompt!r})")
+
+
+def training_dir(export: Path, n_train: int, out: Path, shift: bool = False) -> None:
+    """Write `out` in speculators' layout: `export`'s rows, the first `n_train` for training (states
+    rolled by one token when `shift`), the rest for validation, never rolled. Token counts are taken
+    over the training rows alone (trainable tokens, as the pipeline counts them), so the trainer
+    derives the draft vocabulary without seeing the validation answers."""
+    from collections import Counter
+
+    from datasets import load_from_disk
+
+    rows = load_from_disk(str(export)).select_columns(["input_ids", "loss_mask", "seq_len"])
+    rows.set_format("torch")
+    rows.save_to_disk(str(out))
+    counts = Counter()
+    for row in rows.select(range(n_train)):
+        counts.update(row["input_ids"][row["loss_mask"] == 1].tolist())
+    torch.save(dict(counts), out / "token_freq.pt")
+    states = out / "hidden_states"
+    states.mkdir()
+    for i in range(len(rows)):
+        name = f"hs_{i}.safetensors"
+        if shift and i < n_train:
+            tensors = load_file(str(export / "hidden_states" / name))
+            tensors["hidden_states"] = torch.roll(tensors["hidden_states"], 1, dims=0)
+            save_file(tensors, str(states / name))
+        else:
+            os.symlink(export / "hidden_states" / name, states / name)
