@@ -20,7 +20,7 @@ from eagle3data.conversations import normalize, read_shard
 from eagle3data.demo import KIMI_STYLE_CHAT_TEMPLATE, build_demo_tokenizer
 from eagle3data.tokenization import tokenize_records, tokenize_shard
 
-from conftest import REPO, demo_config, run_snakemake
+from conftest import DEMO_CONVERSATIONS, REPO, demo_config, run_snakemake
 
 FORMATS = REPO / "data" / "formats"
 
@@ -144,7 +144,11 @@ def check_masks(tok, template_name: str, kept: pd.DataFrame, records: dict) -> d
         assert row.has_tool_calls == bool(calls)
         assert row.has_reasoning == bool(reasoning)
         assert row.reasoning_tokens == sum(len(tok.encode(r, add_special_tokens=False)) for r in reasoning)
-        assert (row.tool_call_tokens > 0) == bool(calls)
+        # What the calls add to their turns, as the hand-written layout writes them with and without.
+        length = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
+        assert row.tool_call_tokens == sum(
+            length(turn_text(m)) - length(turn_text({k: v for k, v in m.items() if k != "tool_calls"}))
+            for m in calls)
         assert row.reasoning_not_rendered == 0
         trained.setdefault(row.source_row, []).append(turns)
     for source_row, parts in trained.items():  # every assistant turn trained exactly once
@@ -269,6 +273,20 @@ def test_reasoning_kimi_style_history_turns_get_empty_think(tokenizer):
     assert kept["has_reasoning"].sum() == 6  # every sample but parts-0's
 
 
+def test_report_rows_say_what_the_samples_train(tokenizer):
+    from eagle3data.report import content_rows
+
+    kept, _, _ = tokenize_file(tokenizer, QWEN3_STYLE, "openai_parts_reasoning.jsonl")
+    rows = dict(content_rows(kept))
+    trainable = int(kept["num_trainable"].sum())
+    reasoning, calls = int(kept["reasoning_tokens"].sum()), int(kept["tool_call_tokens"].sum())
+    assert 0 < reasoning and 0 < calls and reasoning + calls < trainable
+    assert rows["samples training reasoning"] == "6 (85.7%)"
+    assert rows["samples training tool calls"] == "1 (14.3%)"
+    assert rows["trainable tokens: reasoning"] == f"{reasoning} ({reasoning / trainable:.1%})"
+    assert rows["trainable tokens: answers and turn markers"].startswith(f"{trainable - reasoning - calls} (")
+
+
 def test_a_template_without_reasoning_keeps_the_answer_and_counts_the_reasoning_it_drops(tokenizer):
     kept, _, records = tokenize_file(tokenizer, KIMI_STYLE_CHAT_TEMPLATE, "openai_parts_reasoning.jsonl")
     rows = {records[r]["id"]: row for r, row in zip(kept["source_row"], kept.itertuples())}
@@ -330,14 +348,16 @@ def test_split_conversations_reconcile_at_pack():
 
 
 def test_snakemake_tokenizes_every_format_file_without_a_failed_job(tmp_path):
-    """A real run of the tokenize rule on the demo model's tokenizer and template, every file at once."""
+    """A real run of the tokenize rule with the demo's tokenizer and template, every file at once; the
+    tokenizer alone is the model directory (tokenize reads nothing else)."""
     rows = [line for path in sorted(FORMATS.glob("*.jsonl")) for line in path.read_text().splitlines()]
     data = tmp_path / "formats.jsonl"
     data.write_text("\n".join(rows) + "\n")
     config = demo_config(input=str(data), run="formats", shard_size=8)
-    config["model"]["path"] = str(tmp_path / "model")
+    build_demo_tokenizer(DEMO_CONVERSATIONS.read_text().splitlines(), tmp_path / "model")
+    config["model"].update(path=str(tmp_path / "model"), build_demo=False)
     shards = [f"results/formats/tokenized/shard-{i:05d}.parquet" for i in range((len(rows) + 7) // 8)]
-    run_snakemake(tmp_path, *shards, config=config, timeout=600)
+    run_snakemake(tmp_path, "--printshellcmds", *shards, config=config, timeout=600)  # the flag ends --configfile's list
     kept = pd.concat(pd.read_parquet(tmp_path / s) for s in shards)
     skipped = pd.concat(pd.read_parquet(tmp_path / s.replace(".parquet", ".skipped.parquet")) for s in shards)
     assert set(kept["source_row"]) | set(skipped["source_row"]) == set(range(len(rows)))

@@ -6,6 +6,8 @@ independently of the prefix-diffing the pipeline uses.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -94,14 +96,36 @@ def test_kimi_style_mask_with_system_and_several_turns(tokenizer):
     ])
 
 
-def test_template_that_rewrites_earlier_turns_is_skipped_with_reason(tokenizer):
-    # Drops earlier assistant turns' content once a later turn exists (like thinking-stripping templates).
+def test_template_that_rewrites_earlier_turns_gives_one_sample_per_kept_turn(tokenizer):
+    # Drops earlier assistant turns' content once a later turn exists (like thinking-stripping templates):
+    # each turn is trained where it is the last, the rewritten one is context in the later sample.
     tokenizer.chat_template = (
         "{% for m in messages %}{{ m['role'] }}:{% if m['role'] == 'assistant' and not loop.last %}"
         "...{% else %}{{ m['content'] }}{% endif %};{% endfor %}"
         "{% if add_generation_prompt %}assistant:{% endif %}"
     )
-    with pytest.raises(SkipSample, match="template_not_prefix_stable"):
+    with pytest.raises(SkipSample, match="template_not_prefix_stable: the conversation needs 2 samples"):
+        tokenize_conversation(tokenizer, CONVERSATION)
+    rows = [{"source_row": 7, "record": json.dumps({"messages": CONVERSATION})}]
+    kept, skipped = tokenize_records(tokenizer, rows, max_seq_len=512, min_seq_len=1)
+    assert skipped.empty and kept["part"].tolist() == [0, 1] and kept["source_row"].tolist() == [7, 7]
+    c = CONVERSATION
+    for row, (context, trained) in zip(kept.itertuples(), [
+        (f"system:{c[0]['content']};user:{c[1]['content']};assistant:", f"{c[2]['content']};"),
+        (f"system:{c[0]['content']};user:{c[1]['content']};assistant:...;user:{c[3]['content']};assistant:",
+         f"{c[4]['content']};"),
+    ]):
+        want_ids, want_mask = pieces_to_expected(tokenizer, [(context, False), (trained, True)])
+        assert list(row.input_ids) == want_ids and list(row.loss_mask) == want_mask
+    assert kept["sample_id"].is_unique
+
+
+def test_template_whose_generation_prompt_differs_from_its_turns_is_skipped_with_reason(tokenizer):
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}"
+        "{% if add_generation_prompt %}bot:{% endif %}"
+    )
+    with pytest.raises(SkipSample, match="template_not_prefix_stable: the generation prompt before turn 2"):
         tokenize_conversation(tokenizer, CONVERSATION)
 
 
@@ -113,8 +137,6 @@ def test_sharegpt_and_openai_forms_give_the_same_sample():
 
 
 def test_skips_are_recorded_with_reasons(tokenizer):
-    import json
-
     tokenizer.chat_template = CHATML
     rows = [
         {"source_row": 0, "record": json.dumps({"messages": [{"role": "user", "content": "q?"}]})},
