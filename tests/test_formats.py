@@ -287,6 +287,25 @@ def test_report_rows_say_what_the_samples_train(tokenizer):
     assert rows["trainable tokens: answers and turn markers"].startswith(f"{trainable - reasoning - calls} (")
 
 
+def test_truncation_keeps_the_facts_of_the_tokens_left(tokenizer):
+    from eagle3data.schemas import TokenizedShard, check
+
+    full, _, records = tokenize_file(tokenizer, QWEN3_STYLE, "openai_parts_reasoning.jsonl")
+    row = full[(full["source_row"] == 5) & (full["part"] == 0)].iloc[0]  # trains the call turn and the answer
+    mask = list(row["loss_mask"])
+    call_turn, answer = runs(list(range(len(mask))), mask)  # the positions of the two trained turns
+    messages = normalize(records[5]).messages
+    first_reasoning = len(tokenizer.encode(messages[1]["reasoning_content"], add_special_tokens=False))
+    assert row["reasoning_tokens"] > first_reasoning and row["has_tool_calls"]
+    for max_seq_len, reasoning, calls in [(answer[0], first_reasoning, row["tool_call_tokens"]),
+                                          (call_turn[0] + 2, 2, 0)]:
+        kept, _, _ = tokenize_file(tokenizer, QWEN3_STYLE, "openai_parts_reasoning.jsonl", max_seq_len)
+        cut = check(TokenizedShard, kept, "truncated")
+        cut = cut[(cut["source_row"] == 5) & (cut["part"] == 0)].iloc[0]
+        assert cut["truncated"] and (cut["reasoning_tokens"], cut["tool_call_tokens"]) == (reasoning, calls)
+        assert cut["has_tool_calls"] == (calls > 0)
+
+
 def test_a_template_without_reasoning_keeps_the_answer_and_counts_the_reasoning_it_drops(tokenizer):
     kept, _, records = tokenize_file(tokenizer, KIMI_STYLE_CHAT_TEMPLATE, "openai_parts_reasoning.jsonl")
     rows = {records[r]["id"]: row for r, row in zip(kept["source_row"], kept.itertuples())}

@@ -42,8 +42,9 @@ class TokenizedShard(pa.DataFrameModel):
     engine checks' and benchmarks' synthetic shards) stay valid. `part` numbers the samples of one
     conversation (0 for the first; a conversation splits where the template rewrites earlier turns);
     `reasoning_tokens` and `tool_call_tokens` count the trainable tokens of the turns' reasoning text and
-    of what their tool calls add to the turn; `reasoning_not_rendered` counts trained turns that carry
-    reasoning the template does not render."""
+    of what their tool calls add to the turn (a truncated turn loses its end: its calls first, its
+    reasoning last); `reasoning_not_rendered` counts trained turns that carry reasoning the template
+    does not render."""
 
     sample_id: Series[str] = pa.Field(unique=True, str_length={"min_value": 8})
     source_row: Series[int] = pa.Field(ge=0)
@@ -72,6 +73,12 @@ class TokenizedShard(pa.DataFrameModel):
         if not {"has_reasoning", "reasoning_tokens"} <= set(df.columns):
             return pd.Series(True, index=df.index)
         return df["has_reasoning"] == (df["reasoning_tokens"] > 0)
+
+    @pa.dataframe_check(error="has_tool_calls == (tool_call_tokens > 0)")
+    def tool_calls_counted(cls, df: pd.DataFrame) -> pd.Series:
+        if not {"has_tool_calls", "tool_call_tokens"} <= set(df.columns):
+            return pd.Series(True, index=df.index)
+        return df["has_tool_calls"] == (df["tool_call_tokens"] > 0)
 
     @pa.dataframe_check(error="len(input_ids) == num_tokens")
     def ids_length(cls, df: pd.DataFrame) -> pd.Series:

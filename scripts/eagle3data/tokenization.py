@@ -20,7 +20,7 @@ context (mask 0) in the later samples. Each sample has its own id and is counted
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pandas as pd
 
@@ -52,12 +52,11 @@ class Turn:
     index: int
     start: int
     end: int
-    tool_calls: bool = False
-    reasoning_rendered: bool = False
     reasoning_not_rendered: bool = False
     reasoning_tokens: int = 0
     tool_call_tokens: int = 0
-    tokens: list[int] = field(default_factory=list)  # positions of the turn's tokens in the sample
+    first_token: int = 0  # where the turn's tokens are in the sample
+    n_tokens: int = 0
 
 
 @dataclass
@@ -116,22 +115,20 @@ def plan_samples(tokenizer, messages: list[dict], tools=None) -> list[Sample]:
     return samples
 
 
-def _variant_span(tokenizer, messages, tools, turn: Turn, drop: str) -> str | None:
+def _variant_span(tokenizer, messages, tools, turn: Turn, text: str, drop: str) -> str | None:
     """Turn `turn.index` rendered as the last turn without its `drop` field, or None where the
-    template then renders the turns before it differently."""
+    template then renders what comes before the turn differently."""
     k = turn.index
-    before = _render(tokenizer, messages[:k], tools, add_generation_prompt=True)
     changed = {key: value for key, value in messages[k].items() if key != drop}
     through = _render(tokenizer, [*messages[:k], changed], tools, add_generation_prompt=False)
-    return through[len(before):] if through.startswith(before) else None
+    return through[turn.start:] if through.startswith(text[:turn.start]) else None
 
 
-def _describe(tokenizer, messages: list[dict], tools, turn: Turn, text: str, n_tokens: int) -> None:
+def _describe(tokenizer, messages: list[dict], tools, turn: Turn, text: str) -> None:
     """Fill in what the turn's tokens are: how many are its reasoning and its tool calls."""
-    message, span = messages[turn.index], text[turn.start:turn.end]
+    message, span, n_tokens = messages[turn.index], text[turn.start:turn.end], turn.n_tokens
     if message.get("tool_calls"):
-        turn.tool_calls = True
-        without = _variant_span(tokenizer, messages, tools, turn, "tool_calls")
+        without = _variant_span(tokenizer, messages, tools, turn, text, "tool_calls")
         if without == span:
             raise SkipSample("template_ignores_tool_calls: the chat template renders nothing for an "
                              f"assistant message's tool calls (turn {turn.index})")
@@ -143,9 +140,8 @@ def _describe(tokenizer, messages: list[dict], tools, turn: Turn, text: str, n_t
         turn.tool_call_tokens = max(0, n_tokens - without_tokens)
     reasoning = message.get("reasoning_content", "").strip()
     if reasoning:
-        turn.reasoning_rendered = reasoning in span
-        turn.reasoning_not_rendered = not turn.reasoning_rendered
-        turn.reasoning_tokens = len(_encode(tokenizer, reasoning)) if turn.reasoning_rendered else 0
+        turn.reasoning_not_rendered = reasoning not in span
+        turn.reasoning_tokens = 0 if turn.reasoning_not_rendered else len(_encode(tokenizer, reasoning))
 
 
 def tokenize_sample(tokenizer, messages: list[dict], tools, sample: Sample) -> Tokenized:
@@ -158,8 +154,8 @@ def tokenize_sample(tokenizer, messages: list[dict], tools, sample: Sample) -> T
         ids += piece
         mask += [0] * len(piece)
         piece = _encode(tokenizer, sample.text[turn.start:turn.end])
-        turn.tokens = list(range(len(ids), len(ids) + len(piece)))
-        _describe(tokenizer, messages, tools, turn, sample.text, len(piece))
+        turn.first_token, turn.n_tokens = len(ids), len(piece)
+        _describe(tokenizer, messages, tools, turn, sample.text)
         ids += piece
         mask += [1] * len(piece)
         cursor = turn.end
@@ -267,18 +263,13 @@ def _truncated(sample: Sample, tok: Tokenized, max_seq_len: int, min_seq_len: in
         )
     if len(ids) < min_seq_len:
         raise SkipSample(f"shorter_than_min_seq_len: {len(ids)} < {min_seq_len}")
-    reasoning = calls = 0
-    facts = {"has_tool_calls": False, "has_reasoning": False, "reasoning_not_rendered": 0}
+    reasoning = calls = not_rendered = 0
     for turn in sample.turns:
-        kept = sum(1 for p in turn.tokens if p < max_seq_len)
-        if kept == 0:
-            continue
-        facts["has_tool_calls"] |= turn.tool_calls
-        facts["has_reasoning"] |= turn.reasoning_rendered
-        facts["reasoning_not_rendered"] += turn.reasoning_not_rendered
-        # Reasoning comes before the answer and the calls; truncation cuts from the end.
+        kept = min(turn.n_tokens, max(0, max_seq_len - turn.first_token))
+        # Reasoning comes before the answer and the calls, which come last; truncation cuts the end.
         reasoning += min(turn.reasoning_tokens, kept)
-        calls += min(turn.tool_call_tokens, kept - min(turn.reasoning_tokens, kept))
+        calls += max(0, turn.tool_call_tokens - (turn.n_tokens - kept))
+        not_rendered += turn.reasoning_not_rendered and kept > 0
     return {
         "input_ids": ids,
         "loss_mask": mask,
@@ -286,7 +277,9 @@ def _truncated(sample: Sample, tok: Tokenized, max_seq_len: int, min_seq_len: in
         "num_trainable": sum(mask),
         "truncated": truncated,
         "matches_full_tokenization": tok.matches_full_tokenization,
-        **facts,
+        "has_tool_calls": calls > 0,
+        "has_reasoning": reasoning > 0,
+        "reasoning_not_rendered": not_rendered,
         "reasoning_tokens": reasoning,
         "tool_call_tokens": calls,
     }
