@@ -324,8 +324,9 @@ def test_templates_that_cannot_render_tools_give_skips_with_the_reason(tokenizer
     assert found["oa-tools-0"] == "template_error: TemplateError: This template does not support tools."
     # Calls without a tools list, under a template that prints only content: the calls would vanish.
     tokenizer.chat_template = KIMI_STYLE_CHAT_TEMPLATE
-    record = {"messages": [{"role": "user", "content": "Find tides."}, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "search_books", "arguments": "{}"}}]}]}
+    call = {"type": "function", "function": {"name": "search_books", "arguments": "{}"}}
+    record = {"messages": [{"role": "user", "content": "Find tides."},
+                           {"role": "assistant", "content": "", "tool_calls": [call]}]}
     kept, skipped = tokenize_records(tokenizer, [{"source_row": 0, "record": json.dumps(record)}], 4096, 1)
     assert kept.empty and skipped["reason"].iloc[0].startswith("template_ignores_tool_calls:")
 
@@ -376,7 +377,8 @@ def test_snakemake_tokenizes_every_format_file_without_a_failed_job(tmp_path):
     build_demo_tokenizer(DEMO_CONVERSATIONS.read_text().splitlines(), tmp_path / "model")
     config["model"].update(path=str(tmp_path / "model"), build_demo=False)
     shards = [f"results/formats/tokenized/shard-{i:05d}.parquet" for i in range((len(rows) + 7) // 8)]
-    run_snakemake(tmp_path, "--printshellcmds", *shards, config=config, timeout=600)  # the flag ends --configfile's list
+    # A flag between the config file and the targets: --configfile would take the targets as files.
+    run_snakemake(tmp_path, "--printshellcmds", *shards, config=config, timeout=600)
     kept = pd.concat(pd.read_parquet(tmp_path / s) for s in shards)
     skipped = pd.concat(pd.read_parquet(tmp_path / s.replace(".parquet", ".skipped.parquet")) for s in shards)
     assert set(kept["source_row"]) | set(skipped["source_row"]) == set(range(len(rows)))
