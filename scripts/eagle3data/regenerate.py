@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from eagle3data import engine as engine_mod
-from eagle3data.conversations import UnsupportedInput, normalize_messages, read_shard, sample_id
+from eagle3data.conversations import UnsupportedInput, normalize, read_shard, sample_id
 from eagle3data.journal import Journal
 from eagle3data.logs import get_logger
 from eagle3data.model_info import read_model_info
@@ -60,7 +60,9 @@ class RegenerateJob:
 
 
 @dataclass
-class Conversation:
+class Rewrite:
+    """One input row on its way through regeneration."""
+
     source_row: int
     record: dict
     messages: list[dict] = field(default_factory=list)  # generated turns replace the originals as they come
@@ -79,14 +81,15 @@ class Request:
     max_tokens: int
 
 
-def plan(source_row: int, record: dict, turns: str, tokenizer) -> Conversation:
+def plan(source_row: int, record: dict, turns: str, tokenizer) -> Rewrite:
     """What to generate for one input row: the assistant turns, or an answer to a final user/tool turn."""
-    conv = Conversation(source_row, record)
+    conv = Rewrite(source_row, record)
     try:
-        messages = normalize_messages(record)
+        normalized = normalize(record)
     except UnsupportedInput as exc:
         conv.pass_reason = str(exc)
         return conv
+    messages, conv.tools = normalized.messages, normalized.tools
     positions = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]  # with a prompt
     if messages and messages[-1]["role"] in ("user", "tool"):
         positions.append(len(messages))
@@ -95,7 +98,6 @@ def plan(source_row: int, record: dict, turns: str, tokenizer) -> Conversation:
         return conv
     conv.positions = positions[-1:] if turns == "last" else positions
     conv.messages = messages[: conv.positions[-1] + 1]
-    conv.tools = record.get("tools")
     conv.tokens_before = [_length(tokenizer, messages[p]) if p < len(messages) else None for p in conv.positions]
     return conv
 
@@ -127,7 +129,7 @@ class Regenerator:
                                                   **kwargs, **self.settings["chat_template_kwargs"])
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def next_request(self, conv: Conversation) -> Request | None:
+    def next_request(self, conv: Rewrite) -> Request | None:
         while conv.stop is None and conv.done < len(conv.positions):
             try:
                 ids = self.prompt_ids(conv.messages[: conv.positions[conv.done]], conv.tools)
@@ -156,13 +158,13 @@ class Regenerator:
                               seed=int(request.key[:8], 16), max_tokens=request.max_tokens,
                               skip_special_tokens=False)
 
-    def finish(self, conv: Conversation, entry: dict) -> None:
+    def finish(self, conv: Rewrite, entry: dict) -> None:
         """A response finished now: stored durably first (a kill after this loses nothing), then applied."""
         self.journal.append(entry)
         kill_point("regenerate:stored")
         self.apply(conv, entry, "generated")
 
-    def apply(self, conv: Conversation, entry: dict, origin: str) -> None:
+    def apply(self, conv: Rewrite, entry: dict, origin: str) -> None:
         position = conv.positions[conv.done]
         self.turns.append(dict(source_row=conv.source_row, turn=conv.done, message_index=position,
                                finish_reason=entry["finish_reason"], tokens_before=conv.tokens_before[conv.done],
@@ -183,15 +185,15 @@ def error_entry(key: str, error: str) -> dict:
     return {"key": key, "text": "", "num_tokens": 0, "finish_reason": "error", "error": error}
 
 
-def generate(llm, regen: Regenerator, queued: list[tuple[Conversation, Request]]) -> None:
+def generate(llm, regen: Regenerator, queued: list[tuple[Rewrite, Request]]) -> None:
     """Drive vLLM's engine loop: each conversation's first missing turn is queued; each finished response
     is stored at once and its conversation's following turn queued (continuous batching throughout)."""
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    in_flight: dict[str, tuple[Conversation, Request]] = {}
+    in_flight: dict[str, tuple[Rewrite, Request]] = {}
 
-    def submit(conv: Conversation, request: Request | None) -> None:
+    def submit(conv: Rewrite, request: Request | None) -> None:
         while request is not None:
             request_id = f"{conv.source_row}:{conv.done}"
             try:
@@ -265,7 +267,7 @@ def run(job: RegenerateJob, llm=None) -> dict:
     return stats
 
 
-def write_outputs(job: RegenerateJob, conversations: list[Conversation], turns: list[dict]) -> dict:
+def write_outputs(job: RegenerateJob, conversations: list[Rewrite], turns: list[dict]) -> dict:
     """The regenerated conversations (JSON lines) and the turn table, atomically; the counts."""
     counts = {"regenerated": 0, "original": 0, "skipped": 0}
     original_reasons: dict[str, int] = {}
@@ -279,15 +281,16 @@ def write_outputs(job: RegenerateJob, conversations: list[Conversation], turns: 
                 original_reasons[reason] = original_reasons.get(reason, 0) + 1
                 record, counts["original"] = conv.record, counts["original"] + 1
             elif conv.stop:
-                original = normalize_messages(conv.record)
-                skipped.append({"sample_id": sample_id(original, conv.record.get("tools")),
+                original = normalize(conv.record)
+                skipped.append({"sample_id": sample_id(original.messages, original.tools),
                                 "source_row": conv.source_row, "source_id": str(conv.record.get("id", "")),
                                 "reason": conv.stop})
                 counts["skipped"] += 1
                 continue
             else:
-                rest = {k: v for k, v in conv.record.items() if k not in ("conversations", "messages")}
-                record, counts["regenerated"] = {**rest, "messages": conv.messages}, counts["regenerated"] + 1
+                rest = {k: v for k, v in conv.record.items() if k not in ("conversations", "messages", "system", "tools")}
+                record = {**rest, "messages": conv.messages, **({"tools": conv.tools} if conv.tools else {})}
+                counts["regenerated"] += 1
             f.write(json.dumps({"source_row": conv.source_row, "record": record}, ensure_ascii=False) + "\n")
     if sum(counts.values()) != len(conversations):
         raise AssertionError(f"regenerate counts do not reconcile: {len(conversations)} in, {counts}")
