@@ -72,7 +72,7 @@ def write_report(counts: str, tokenized: list[str], states: list[str], stats: li
 
     rows = [
         ("conversations in", counts_doc["conversations_in"]),
-        ("samples split from conversations (several per conversation)", counts_doc.get("split_samples", 0)),
+        ("samples beyond the first of conversations split by the template", counts_doc.get("split_samples", 0)),
         ("samples packed", counts_doc["packed"]),
         ("samples skipped", counts_doc["skipped"]),
         *((f"skipped: {reason}", n) for reason, n in counts_doc["skip_reasons"].items()),
