@@ -16,6 +16,7 @@ rule regenerate:
     threads: 2
     resources:
         gpu=GPUS_PER_EXTRACT,
+        mem_mb=lambda wildcards, attempt: EXTRACT_MEM_MB * attempt,  # the same engine as extract
     # What shapes the responses; engine settings are read at run time. The journal (responses stored as
     # they finish, not an output: a failed or killed job keeps it) makes a re-run generate only what is
     # missing.

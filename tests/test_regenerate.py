@@ -18,8 +18,9 @@ import subprocess
 import pandas as pd
 import pytest
 
-from conftest import REPO, SNAKEMAKE, run_snakemake
+from conftest import REPO, SNAKEMAKE, run_snakemake, with_defaults
 from eagle3data.journal import Journal, JournalError
+from eagle3data.regenerate import RegenerateJob, Regenerator, plan
 from eagle3data.testing import KILL_ENV
 
 RUN = "regen"
@@ -172,10 +173,37 @@ def test_replies_split_by_vllms_parsers_and_at_think_markers(smollm2):
     for reasoning_parser in ("qwen3", None):  # vLLM's parser, then the think markers
         parser = ReplyParser(tokenizer, reasoning_parser, "hermes", ("<think>", "</think>"))
         message = parser.parse(text, tools, key="0123456789abcdef0123")
-        assert message["reasoning_content"] == "The user wants weather."
+        assert message["reasoning_content"].strip() == "The user wants weather."
         assert message["content"].strip() == "Let me look."
         (call,) = message["tool_calls"]
         assert call["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}
         assert message == parser.parse(text, tools, key="0123456789abcdef0123")  # stable call ids
     plain = ReplyParser(tokenizer, None, None, ("<think>", "</think>")).parse("Just text.", tools, key="k")
     assert plain == {"role": "assistant", "content": "Just text."}
+
+
+def test_turns_past_the_model_length_end_the_conversation_or_fail_it(smollm2, tmp_path):
+    """turns: all. A later turn whose prompt fills the model length ends the conversation there (tokenize
+    would cut it there); a first turn that does not fit is an error (prompt_too_long), journaled."""
+    from transformers import AutoTokenizer
+
+    settings = with_defaults({"input": "-", "model": {"path": "-"}, "captures": [{"layer": 2, "point": "input"}],
+                              "regenerate": {"enabled": True, "turns": "all"}})["regenerate"]
+    job = RegenerateJob(conversations="-", rows=(0, 1), out="-", responses="-", stats="-", journal="-",
+                        model_path=str(smollm2), trust_remote_code=False, dtype="float32", max_seq_len=56,
+                        engine={"load_format": "auto"}, settings=settings)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    regen = Regenerator(job, tokenizer, Journal(tmp_path / "journal.jsonl"), max_model_len=64)
+    conv = plan(0, ROWS[2], "all", tokenizer)  # system, user, assistant, user, assistant
+    first = regen.next_request(conv)
+    assert first is not None and len(first.prompt_ids) < 64
+    regen.finish(conv, {"key": first.key, "text": "Four. " * 20, "num_tokens": 40, "finish_reason": "stop",
+                        "error": None})
+    assert regen.next_request(conv) is None and conv.stop is None
+    assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "user"]
+    assert conv.messages[2]["content"] == "Four. " * 20 and len(regen.turns) == 1
+
+    long_question = {"messages": [{"role": "user", "content": "why " * 80}]}
+    conv = plan(1, long_question, "all", tokenizer)
+    assert regen.next_request(conv) is None and conv.stop.startswith("regenerate_error: turn 0: prompt_too_long")
+    assert regen.turns[-1]["finish_reason"] == "error" and len(regen.journal.entries) == 2

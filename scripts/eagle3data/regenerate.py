@@ -142,6 +142,10 @@ class Regenerator:
                 self.apply(conv, self.journal.entries[key], "reused")
                 continue
             max_tokens = min(self.settings["max_new_tokens"], self.max_model_len - len(ids))
+            if max_tokens < 1 and conv.done > 0:  # earlier turns fill the model length: tokenize would
+                conv.messages = conv.messages[: conv.positions[conv.done]]  # cut the conversation here
+                del conv.positions[conv.done:], conv.tokens_before[conv.done:]
+                continue
             if max_tokens < 1:
                 self.finish(conv, error_entry(key, f"prompt_too_long: {len(ids)} tokens leave no room to "
                                                    f"generate within {self.max_model_len}"))
