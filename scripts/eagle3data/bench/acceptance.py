@@ -11,7 +11,7 @@ the target served by vLLM with the draft as its `eagle3` speculator on held-out 
 the draft's teacher-forced accuracy on the target's own greedy answers to the same prompts.
 
     python -m eagle3data.bench.acceptance --quick --out acceptance.json    # ~5 min on 2 idle cores
-    python -m eagle3data.bench.acceptance --out acceptance.json --seed 1   # the full sizes
+    python -m eagle3data.bench.acceptance --out acceptance.json --seeds 0,1   # the full sizes
 """
 
 from __future__ import annotations
@@ -24,10 +24,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import mean
 
 from eagle3data.bench import prompts as prompt_set
 from eagle3data.bench.acceptance_data import (check_order, pipeline_config, run_pipeline, training_dir,
                                               write_jsonl)
+from eagle3data.bench.acceptance_serve import prompt_ids
+from eagle3data.bench.acceptance_ties import first_divergences
 from eagle3data.bench.acceptance_train import Recipe, train
 
 DEFAULT_MODEL = "resources/smollm2-135m"
@@ -39,13 +42,14 @@ ARMS = {"a": "pipeline, reference answers", "c": "pipeline, regenerated answers"
 class Sizes:
     train_conversations: int
     heldout_prompts: int
-    max_tokens: int
+    max_tokens: int  # new tokens per held-out prompt when served
+    regenerate_tokens: int  # arm (c): regenerate.max_new_tokens (longer answers are kept, truncated)
     recipe: Recipe
 
 
 SIZES = {
-    "quick": Sizes(64, 12, 48, Recipe(epochs=3, lr=3e-3, draft_vocab=2048, total_seq_len=1024)),
-    "full": Sizes(400, 48, 96, Recipe(epochs=3, lr=1e-3, draft_vocab=4096, total_seq_len=1024)),
+    "quick": Sizes(64, 12, 48, 128, Recipe(epochs=3, lr=3e-3, draft_vocab=2048, total_seq_len=1024)),
+    "full": Sizes(192, 48, 96, 256, Recipe(epochs=2, lr=1e-3, draft_vocab=4096, total_seq_len=1024)),
 }
 
 
@@ -63,12 +67,19 @@ def arm_line(arm: str, r: dict) -> str:
     acc = " / ".join(f"{a:.3f}" for a in r["teacher_forced_acc"])
     return (f"arm {arm}  {ARMS[arm]:<32} acceptance {spec['mean_acceptance_length']:.3f}  accepted per position "
             f"{spec['accepted_per_pos']} over {spec['drafts']} drafts  teacher-forced acc {acc}  "
-            f"outputs equal {r['outputs_equal']}  steps {r['steps']}")
+            f"outputs equal {r['outputs_equal']}{parted(r['divergences'])}  steps {r['steps']}")
 
 
-def ratio(results: dict, top: str, bottom: str) -> float | None:
-    if top in results and bottom in results:
-        return results[top]["spec"]["mean_acceptance_length"] / results[bottom]["spec"]["mean_acceptance_length"]
+def parted(divergences: list[dict]) -> str:
+    gaps = [d["gap"] for d in divergences if d["gap"] is not None]
+    return f" (first differing tokens: fp32 log-prob gap <= {max(gaps):.3f})" if gaps else ""
+
+
+def ratio(arms: dict, top: str, bottom: str) -> float | None:
+    """The ratio of two arms' acceptance lengths, each the mean over its seeds."""
+    if top in arms and bottom in arms:
+        return (mean(r["spec"]["mean_acceptance_length"] for r in arms[top])
+                / mean(r["spec"]["mean_acceptance_length"] for r in arms[bottom]))
     return None
 
 
@@ -84,10 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("results/bench-acceptance"),
                         help="scratch directory (replaced)")
     parser.add_argument("--arms", default="a,d,c", help="arms to run, of a, c, d ((d) needs (a))")
-    parser.add_argument("--seed", type=int, default=0, help="the trainer's seed (repeat runs with others)")
+    parser.add_argument("--seeds", default="0", help="trainer seeds: each arm is trained and served once per seed, "
+                        "on the same data (the noise of repeated runs)")
     parser.add_argument("--out", type=Path, help="write every measurement as JSON")
     args = parser.parse_args(argv)
     sizes = SIZES["quick" if args.quick else "full"]
+    seeds = [int(x) for x in args.seeds.split(",")]
     arms = [a for a in args.arms.split(",") if a != "c" or regenerate_available()]
     model, work = args.model.resolve(), args.work.resolve()
     shutil.rmtree(work, ignore_errors=True)
@@ -99,42 +112,51 @@ def main(argv: list[str] | None = None) -> int:
     heldout_file.write_text(json.dumps([p.text for p in heldout]))
     target = serve(model, heldout_file, sizes.max_tokens, None, work / "target.json", work / "target.log")
     evaluation = prompt_set.conversations(heldout, target["texts"])
-    all_prompts = [p.text for p in train_prompts + heldout]
+    ids = prompt_ids(str(model), [p.text for p in heldout])
     recipe = sizes.recipe
     report = {"figure": "8", "name": "acceptance", "sizes": {**asdict(sizes), "recipe": recipe.stated()},
-              "seed": args.seed, "model": str(model), "arms": {}, "skipped": {}}
+              "seeds": seeds, "model": str(model), "arms": {}, "skipped": {}}
     if "c" not in arms and "c" in args.arms:
         report["skipped"]["c"] = "this workflow has no regenerate rule (config regenerate.enabled)"
 
     exports = {}
-    for run_arm, extra in (("a", None), ("c", {"regenerate": {"enabled": True}})):
-        if run_arm in arms or (run_arm == "a" and "d" in arms):
-            conversations = write_jsonl(prompt_set.conversations(train_prompts) + evaluation,
-                                        work / run_arm / "conversations.jsonl")
+    for run_arm, rows, extra in (("a", prompt_set.conversations(train_prompts) + evaluation, None),
+                                 ("c", prompt_set.conversations(train_prompts), {"regenerate": {"enabled": True, "max_new_tokens": sizes.regenerate_tokens, "truncated": "keep"}})):
+        if run_arm == "a" or run_arm in arms:  # every arm validates on rows of (a)'s run
+            conversations = write_jsonl(rows, work / run_arm / "conversations.jsonl")
             config = pipeline_config(f"arm-{run_arm}", conversations, model, recipe.draft_vocab, extra)
             exports[run_arm] = run_pipeline(work / run_arm / "pipeline", config, work / run_arm / "snakemake.log")
-            check_order(exports[run_arm], model, all_prompts)
+            check_order(exports[run_arm], model, [p.text for p in train_prompts + heldout][:len(rows)])
 
     n_train, n_total = len(train_prompts), len(train_prompts) + len(heldout)
     for arm in arms:
-        data = work / arm / "train-data"
-        training_dir(exports["a" if arm == "d" else arm], n_train, data, shift=arm == "d")
-        trained = train(model, data, n_train, n_total, recipe, work / arm / "draft", work / arm / "train.log",
-                        seed=args.seed)
-        served = serve(model, heldout_file, sizes.max_tokens, trained["draft"], work / arm / "served.json",
-                       work / arm / "serve.log")
-        same = sum(x == y for x, y in zip(served["output_ids"], target["output_ids"], strict=True))
-        report["arms"][arm] = {**trained, "spec": served["spec"], "outputs_equal": f"{same}/{len(heldout)}",
-                               "serve_seconds": served["generate_seconds"]}
-        print(arm_line(arm, report["arms"][arm]), flush=True)
+        training_dir(exports["a" if arm == "d" else arm], n_train, exports["a"], len(heldout), work / arm / "data",
+                     shift=arm == "d")
+    for seed in seeds:  # one whole set of arms first, then the repeats
+        for arm in arms:
+            where = work / arm / f"seed{seed}"
+            trained = train(model, work / arm / "data", n_train, n_total, recipe, where / "draft",
+                            where / "train.log", seed)
+            served = serve(model, heldout_file, sizes.max_tokens, trained["draft"], where / "served.json",
+                           where / "serve.log")
+            parted = first_divergences(model, ids, target["output_ids"], served["output_ids"])
+            result = {**trained, "seed": seed, "spec": served["spec"],
+                      "outputs_equal": f"{len(heldout) - len(parted)}/{len(heldout)}", "divergences": parted,
+                      "serve_seconds": served["generate_seconds"]}
+            report["arms"].setdefault(arm, []).append(result)
+            print(arm_line(arm, result), flush=True)
+            if args.out:  # kept current, so an interrupted run leaves what it measured
+                args.out.write_text(json.dumps(report, indent=2))
 
-    results = report["arms"]
-    report["ratios"] = {"a/b": None, "c/a": ratio(results, "c", "a"), "d/a": ratio(results, "d", "a")}
+    report["ratios"] = {"a/b": None, "c/a": ratio(report["arms"], "c", "a"), "d/a": ratio(report["arms"], "d", "a")}
     report["seconds"] = time.perf_counter() - began
     print(f"recipe: {json.dumps(recipe.stated())}; train {n_train} conversations, {len(heldout)} held-out "
-          f"prompts, {sizes.max_tokens} new tokens, trainer seed {args.seed}")
-    print("ratios: " + "  ".join(f"{k} {'-' if v is None else f'{v:.3f}'}" for k, v in report["ratios"].items())
-          + f"  ({report['seconds']:.0f} s)")
+          f"prompts, {sizes.max_tokens} new tokens, trainer seeds {seeds}")
+    for arm, runs in report["arms"].items():
+        lengths = sorted(r["spec"]["mean_acceptance_length"] for r in runs)
+        print(f"arm {arm} over seeds: worst {lengths[0]:.3f}, best {lengths[-1]:.3f}, mean {mean(lengths):.3f}")
+    print("ratios of means: " + "  ".join(f"{k} {'-' if v is None else f'{v:.3f}'}"
+                                          for k, v in report["ratios"].items()) + f"  ({report['seconds']:.0f} s)")
     for arm, why in report["skipped"].items():
         print(f"arm {arm} not run: {why}")
     if args.out:

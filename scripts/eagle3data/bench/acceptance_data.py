@@ -1,10 +1,10 @@
 """Figure 8's training data: real Snakemake runs of this pipeline (speculators export enabled), and the
 per-arm training directories built from their exports.
 
-Each run's input is the arm's training conversations followed by the evaluation conversations (the
-held-out prompts with the target's own greedy answers), so one run yields both; the trainer validates
-on the last rows, which makes its validation split exactly the teacher-forced control the figure
-reports. Arm (d) rolls each training row's states by one token
+Arm (a)'s run also carries, after its training conversations, the evaluation conversations (the
+held-out prompts with the target's own greedy answers); every arm's training directory ends with
+those rows, which the trainer validates on: its validation split is exactly the teacher-forced
+control the figure reports, the same rows for every arm. Arm (d) rolls each training row's states by one token
 (`torch.roll(states, 1, dims=0)`), a misalignment that every structural check would miss.
 """
 
@@ -73,16 +73,20 @@ def check_order(export: Path, model: Path, prompts: list[str]) -> None:
             raise RuntimeError(f"{export}: row {i} does not hold prompt {i} ({prompt!r})")
 
 
-def training_dir(export: Path, n_train: int, out: Path, shift: bool = False) -> None:
-    """Write `out` in speculators' layout: `export`'s rows, the first `n_train` for training (states
-    rolled by one token when `shift`), the rest for validation, never rolled. Token counts are taken
-    over the training rows alone (trainable tokens, as the pipeline counts them), so the trainer
-    derives the draft vocabulary without seeing the validation answers."""
+def training_dir(train: Path, n_train: int, evaluation: Path, n_eval: int, out: Path, shift: bool = False) -> None:
+    """Write `out` in speculators' layout: the first `n_train` rows of the export `train` (states rolled
+    by one token when `shift`), then the last `n_eval` rows of the export `evaluation`, never rolled,
+    for validation. Token counts are taken over the training rows alone (trainable tokens, as the
+    pipeline counts them), so the trainer derives the draft vocabulary without seeing the validation
+    answers."""
     from collections import Counter
 
-    from datasets import load_from_disk
+    from datasets import concatenate_datasets, load_from_disk
 
-    rows = load_from_disk(str(export)).select_columns(["input_ids", "loss_mask", "seq_len"])
+    columns = ["input_ids", "loss_mask", "seq_len"]
+    a, b = load_from_disk(str(train)).select_columns(columns), load_from_disk(str(evaluation)).select_columns(columns)
+    first_eval = len(b) - n_eval
+    rows = concatenate_datasets([a.select(range(n_train)), b.select(range(first_eval, len(b)))])
     rows.set_format("torch")
     rows.save_to_disk(str(out))
     counts = Counter()
@@ -91,11 +95,14 @@ def training_dir(export: Path, n_train: int, out: Path, shift: bool = False) -> 
     torch.save(dict(counts), out / "token_freq.pt")
     states = out / "hidden_states"
     states.mkdir()
-    for i in range(len(rows)):
-        name = f"hs_{i}.safetensors"
-        if shift and i < n_train:
-            tensors = load_file(str(export / "hidden_states" / name))
+    for i in range(n_train):
+        source = train / "hidden_states" / f"hs_{i}.safetensors"
+        if shift:
+            tensors = load_file(str(source))
             tensors["hidden_states"] = torch.roll(tensors["hidden_states"], 1, dims=0)
-            save_file(tensors, str(states / name))
+            save_file(tensors, str(states / f"hs_{i}.safetensors"))
         else:
-            os.symlink(export / "hidden_states" / name, states / name)
+            os.symlink(source, states / f"hs_{i}.safetensors")
+    for j in range(n_eval):
+        os.symlink(evaluation / "hidden_states" / f"hs_{first_eval + j}.safetensors",
+                   states / f"hs_{n_train + j}.safetensors")
