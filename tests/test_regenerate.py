@@ -82,6 +82,7 @@ def resumed(smollm2, tmp_path_factory):
     return workdir, after_kill
 
 
+@pytest.mark.slow
 def test_killed_job_generates_only_what_was_missing(resumed):
     workdir, after_kill = resumed
     regenerated = workdir / "results" / RUN / "regenerated"
@@ -96,6 +97,7 @@ def test_killed_job_generates_only_what_was_missing(resumed):
     assert sorted(turns["origin"]) == ["generated"] * (TURNS - 3) + ["reused"] * 3
 
 
+@pytest.mark.slow
 def test_regenerated_run_tokenizes_extracts_validates_and_packs(resumed):
     workdir, _ = resumed
     results = workdir / "results" / RUN
@@ -118,6 +120,7 @@ def test_regenerated_run_tokenizes_extracts_validates_and_packs(resumed):
     assert (results / "dataset").is_dir() and (results / "report" / "regenerate.html").exists()
 
 
+@pytest.mark.slow
 def test_regenerated_answers_equal_transformers_greedy(resumed, smollm2):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
