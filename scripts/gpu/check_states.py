@@ -3,6 +3,7 @@
     python scripts/gpu/check_states.py shapes RUN --hidden 7168 --captures 4 --seq 512
     python scripts/gpu/check_states.py compare RUN_A RUN_B     # same samples, per-capture rel. error
     python scripts/gpu/check_states.py ranks LOG               # which TP ranks' connectors write
+    python scripts/gpu/check_states.py stores STORE_A STORE_B  # same bits? (the reproducibility contract)
 """
 
 import argparse
@@ -54,6 +55,24 @@ def compare(args) -> dict:
     return {"samples": len(a), "worst_rel_error_per_capture": worst}
 
 
+def stores(args) -> dict:
+    """Two stores of the same prompts computed in other batches: how many samples differ in any bit, and
+    the first differences as eagle3data.reproducibility words them (units in the last place)."""
+    from eagle3data.reproducibility import states_difference
+
+    a = {p.stem: p for p in Path(args.store_a).rglob("*.safetensors")}
+    b = {p.stem: p for p in Path(args.store_b).rglob("*.safetensors")}
+    if set(a) != set(b) or not a:
+        return {"error": f"sample sets differ or are empty: {len(a)} vs {len(b)}"}
+    differing = {}
+    for sid in sorted(a):
+        difference = states_difference(load_file(str(a[sid]))["hidden_states"],
+                                       load_file(str(b[sid]))["hidden_states"])
+        if difference:
+            differing[sid] = difference
+    return {"samples": len(a), "differing": len(differing), "first": dict(list(differing.items())[:3])}
+
+
 def ranks(args) -> dict:
     text = Path(args.log).read_text(errors="replace")
     found = re.findall(r"hidden-states connector ready \(tp_rank0=(True|False)", text)
@@ -71,10 +90,13 @@ def main() -> None:
     p = sub.add_parser("compare")
     p.add_argument("run_a")
     p.add_argument("run_b")
+    p = sub.add_parser("stores")
+    p.add_argument("store_a")
+    p.add_argument("store_b")
     p = sub.add_parser("ranks")
     p.add_argument("log")
     args = parser.parse_args()
-    print(json.dumps({"shapes": shapes, "compare": compare, "ranks": ranks}[args.cmd](args)))
+    print(json.dumps({"shapes": shapes, "compare": compare, "stores": stores, "ranks": ranks}[args.cmd](args)))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@
 #                                      engine settings (e.g. writer_threads=16)
 #   bash scripts/gpu/run.sh figures    figures 1 and 7 of the benchmark command, same shape and engine
 #   bash scripts/gpu/run.sh deepseek   small DeepSeek-V3 vs transformers; TP1 vs TP2 (needs 2 GPUs)
+#   bash scripts/gpu/run.sh invariance figure 1 with and without VLLM_BATCH_INVARIANT=1 (8B shape, TP1)
+#   bash scripts/gpu/run.sh batches    the same 256 prompts extracted in batches of 256 and of 24, with and
+#                                      without VLLM_BATCH_INVARIANT=1: same bits? (docs/rerun.md)
 #   bash scripts/gpu/run.sh kimi bench several steps in one call
 # Needs the wheels in /tmp/wheels (scripts/gpu/collect.sh); results and logs go to $OUT.
 source "$(dirname "$0")/env.sh"
@@ -40,6 +43,34 @@ case "$what" in
       --work /tmp/bench --out "$OUT/bench-llama8b.json" > /tmp/bench.log 2>&1
     echo "bench: exit $?"; tail -n 6 /tmp/bench.log; cp /tmp/bench.log "$OUT/log-bench.txt"
     rm -rf /tmp/bench
+    ;;
+  invariance)  # issue 21: what vLLM's batch-invariant mode costs in figure 1 (both engines run in the mode)
+    python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
+    for mode in ${BI_MODES:-1 0}; do
+      step "figure 1, VLLM_BATCH_INVARIANT=$mode"
+      VLLM_BATCH_INVARIANT=$mode timeout 290 python3 -m eagle3data.bench.extract --model /tmp/llama-8b \
+        --captures 2:input,16:input,29:input,31:output --prompts 2048 --tokens 512 \
+        --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
+        --work /tmp/bench-bi --out "$OUT/bench-llama8b-bi$mode.json" > "/tmp/bench-bi$mode.log" 2>&1
+      echo "bench (batch invariant $mode): exit $?"; tail -n 3 "/tmp/bench-bi$mode.log"
+      cp "/tmp/bench-bi$mode.log" "$OUT/log-bench-bi$mode.txt"; rm -rf /tmp/bench-bi
+    done
+    ;;
+  batches)  # issue 21: are a sample's states a function of its tokens on the H200, with or without the mode?
+    python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
+    for mode in 0 1; do
+      for batch in 256 24; do
+        step "extract 256 prompts in batches of $batch, VLLM_BATCH_INVARIANT=$mode"
+        VLLM_BATCH_INVARIANT=$mode timeout 200 python3 -m eagle3data.bench.extract --phase extract \
+          --model /tmp/llama-8b --captures 2:input,16:input,29:input,31:output --prompts 256 --tokens 512 \
+          --engine load_format=dummy max_num_batched_tokens=16384 "max_num_seqs=$batch" "batch_samples=$batch" \
+          --work "/tmp/batches-$mode-$batch" > "/tmp/batches-$mode-$batch.log" 2>&1
+        echo "extract: exit $?"; grep -o 'tokens_per_second": [0-9.]*' "/tmp/batches-$mode-$batch.log" | head -1
+      done
+      python3 scripts/gpu/check_states.py stores "/tmp/batches-$mode-256/store" "/tmp/batches-$mode-24/store" \
+        | tee "$OUT/batches-bi$mode.json" | cut -c1-600
+      rm -rf "/tmp/batches-$mode-256" "/tmp/batches-$mode-24"
+    done
     ;;
   figures)  # issue 8's figures 1 and 7 through the benchmark command: 8B Llama shape (dummy weights), TP1
     step figures 1,7

@@ -95,6 +95,8 @@ def bare_prefill(args, engine: dict, prompts: dict, captures) -> dict:
 
     kwargs = engine_mod.engine_kwargs(args.model, captures, args.dtype, args.tokens, engine, False,
                                       str(Path(args.work) / "unused"))
+    if args.device == "cpu":  # the extract engine's settings there, one request per step included
+        kwargs = engine_mod.cpu_engine_kwargs(kwargs)
     del kwargs["speculative_config"], kwargs["kv_transfer_config"]
     llm = engine_mod.start_engine(kwargs, engine["cpu_kv_cache_gib"])
     rows = list(prompts.values())
