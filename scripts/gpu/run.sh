@@ -8,6 +8,7 @@
 #   bash scripts/gpu/run.sh invariance figure 1 with and without VLLM_BATCH_INVARIANT=1 (8B shape, TP1)
 #   bash scripts/gpu/run.sh batches    the same 256 prompts extracted in batches of 256 and of 24, with and
 #                                      without VLLM_BATCH_INVARIANT=1: same bits? (docs/rerun.md)
+#   bash scripts/gpu/run.sh regenerate the regenerate stage against bare generate() (8B shape, dummy weights)
 #   bash scripts/gpu/run.sh kimi bench several steps in one call
 # Needs the wheels in /tmp/wheels (scripts/gpu/collect.sh); results and logs go to $OUT.
 source "$(dirname "$0")/env.sh"
@@ -71,6 +72,16 @@ case "$what" in
         | tee "$OUT/batches-bi$mode.json" | cut -c1-600
       rm -rf "/tmp/batches-$mode-256" "/tmp/batches-$mode-24"
     done
+    ;;
+  regenerate)  # issue 17: generation throughput of the stage against vLLM's bare generate(), same engine
+    python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
+    python3 scripts/gpu/make_conversations.py data/demo/conversations.jsonl /tmp/regen-conversations.jsonl 1024
+    step "regenerate 1024 conversations, 256 new tokens"
+    VLLM_WORKER_MULTIPROC_METHOD=spawn timeout 500 python3 -m eagle3data.bench.regenerate --model /tmp/llama-8b \
+      --device cuda --conversations /tmp/regen-conversations.jsonl --max-seq-len 2048 --max-new-tokens 256 \
+      --runs 3 --engine load_format=dummy max_num_seqs=256 max_num_batched_tokens=16384 \
+      --out "$OUT/regenerate-llama8b.json" > /tmp/regen.log 2>&1
+    echo "regenerate bench: exit $?"; grep "regenerate / bare" /tmp/regen.log; cp /tmp/regen.log "$OUT/log-regenerate.txt"
     ;;
   figures)  # issue 8's figures 1 and 7 through the benchmark command: 8B Llama shape (dummy weights), TP1
     step figures 1,7
