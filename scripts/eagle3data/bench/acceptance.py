@@ -48,8 +48,8 @@ class Sizes:
 
 
 SIZES = {
-    "quick": Sizes(64, 12, 48, 128, Recipe(epochs=3, lr=3e-3, draft_vocab=2048, total_seq_len=1024)),
-    "full": Sizes(192, 48, 96, 256, Recipe(epochs=2, lr=1e-3, draft_vocab=4096, total_seq_len=1024)),
+    "quick": Sizes(64, 12, 48, 128, Recipe(epochs=3, lr=3e-3, draft_vocab=2048, total_seq_len=256)),
+    "full": Sizes(192, 48, 96, 256, Recipe(epochs=2, lr=1e-3, draft_vocab=4096, total_seq_len=512)),
 }
 
 
