@@ -35,7 +35,8 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
 def pipeline_config(run: str, conversations: Path, model: Path, draft_vocab: int, extra: dict | None = None) -> dict:
     return {
         "run": run, "input": str(conversations), "shard_size": 512,
-        "model": {"path": str(model), "build_demo": False, "dtype": "bfloat16", "hidden_size": 576, "num_hidden_layers": 30},
+        "model": {"path": str(model), "build_demo": False, "dtype": "bfloat16", "hidden_size": 576,
+                  "num_hidden_layers": 30},
         "captures": CAPTURES, "sequence": {"max_seq_len": 512, "min_seq_len": 8},
         "draft_vocab_size": draft_vocab,
         "engine": {"device": "cpu", "max_num_batched_tokens": 4096, "max_num_seqs": 64, "batch_samples": 256,

@@ -38,8 +38,9 @@ def main() -> int:
     layers = [int(x) for x in args.layers.split(",")]
     try:
         llm = LLM(model=args.model, dtype="bfloat16", enforce_eager=True, max_model_len=512,
-                  speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                      "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}},
+                  speculative_config={
+                      "method": "extract_hidden_states", "num_speculative_tokens": 1,
+                      "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}},
                   kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                                       "kv_connector_extra_config": {"shared_storage_path": args.out}})
         out = llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 33)))], SamplingParams(max_tokens=1))
