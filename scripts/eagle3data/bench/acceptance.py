@@ -9,7 +9,7 @@ the target served by vLLM with the draft as its `eagle3` speculator on held-out 
 (acceptance_serve), greedy, outputs checked against the target's alone. Beside each served acceptance
 the draft's teacher-forced accuracy on the target's own greedy answers to the same prompts.
 
-    python -m eagle3data.bench.acceptance --quick --out acceptance.json    # ~20 min on 2 cores, arms a, d, c
+    python -m eagle3data.bench.acceptance --quick --out acceptance.json    # arms a, d, c: 41 min measured (2 shared cores)
     python -m eagle3data.bench.acceptance --out acceptance.json --seeds 0,1   # the full sizes
 """
 
