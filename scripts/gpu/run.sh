@@ -49,7 +49,7 @@ case "$what" in
     python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     for mode in ${BI_MODES:-1 0}; do
       step "figure 1, VLLM_BATCH_INVARIANT=$mode"
-      VLLM_BATCH_INVARIANT=$mode timeout 290 python3 -m eagle3data.bench.extract --model /tmp/llama-8b \
+      VLLM_BATCH_INVARIANT=$mode timeout 570 python3 -m eagle3data.bench.extract --model /tmp/llama-8b \
         --captures 2:input,16:input,29:input,31:output --prompts 2048 --tokens 512 \
         --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
         --work /tmp/bench-bi --out "$OUT/bench-llama8b-bi$mode.json" > "/tmp/bench-bi$mode.log" 2>&1
@@ -77,7 +77,7 @@ case "$what" in
     python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     python3 scripts/gpu/make_conversations.py data/demo/conversations.jsonl /tmp/regen-conversations.jsonl 1024
     step "regenerate 1024 conversations, 256 new tokens"
-    VLLM_WORKER_MULTIPROC_METHOD=spawn timeout 500 python3 -m eagle3data.bench.regenerate --model /tmp/llama-8b \
+    VLLM_WORKER_MULTIPROC_METHOD=spawn timeout 430 python3 -m eagle3data.bench.regenerate --model /tmp/llama-8b \
       --device cuda --conversations /tmp/regen-conversations.jsonl --max-seq-len 2048 --max-new-tokens 256 \
       --runs 3 --engine load_format=dummy max_num_seqs=256 max_num_batched_tokens=16384 \
       --out "$OUT/regenerate-llama8b.json" > /tmp/regen.log 2>&1
