@@ -16,6 +16,7 @@ rule tokenize:
         rows=shard_rows,
         model_path=config["model"]["path"],
         trust_remote_code=config["model"]["trust_remote_code"],
+        chat_template_kwargs=config["model"]["chat_template_kwargs"],
         sequence=config["sequence"],
     message:
         "Tokenizing shard {wildcards.shard}"

@@ -23,5 +23,6 @@ if __name__ == "__main__":
             max_seq_len=sm.params.max_seq_len,
             engine=dict(sm.config["engine"]),  # read at run time: engine settings do not change the data
             settings=dict(sm.params.settings),
+            chat_template_kwargs=dict(sm.params.model["chat_template_kwargs"]),
         )
     )

@@ -156,3 +156,22 @@ def test_skips_are_recorded_with_reasons(tokenizer):
     assert reasons[4] == "no_trainable_tokens_after_truncation"
     assert list(kept["source_row"]) == [3] and kept["num_tokens"].iloc[0] == 60
     assert len(kept) + len(skipped) == len(rows)
+
+
+def test_template_kwargs_reach_every_rendering(tokenizer):
+    """`model.chat_template_kwargs` (a thinking switch here) shapes the rendered sample and its mask, as
+    it shapes regenerate's prompts: without it the sample is what the target renders by default."""
+    from eagle3data.tokenization import with_template_kwargs
+
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' and thinking %}<think></think>{% endif %}{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tokenizer.chat_template = template
+    plain = tokenize_conversation(tokenizer, CONVERSATION)
+    thinking = tokenize_conversation(with_template_kwargs(tokenizer, {"thinking": True}), CONVERSATION)
+    del tokenizer.apply_chat_template  # the fixture is shared: back to the class's method
+    trained = tokenizer.decode([i for i, m in zip(thinking.input_ids, thinking.loss_mask) if m])
+    assert trained.count("<think></think>") == 2 and "<think>" not in tokenizer.decode(plain.input_ids)
+    assert sum(thinking.loss_mask) > sum(plain.loss_mask)

@@ -4,7 +4,7 @@ A draft learns to predict what the target says next; trained on another model's 
 wrong distribution (and never sees a thinking model's reasoning). So, before tokenize, the target writes
 the assistant turns itself: the last one only, or every one in order, each conditioned on its own
 earlier answers (`regenerate.turns`). Prompts are the conversation so far rendered by the target's chat
-template with the generation prompt (`regenerate.chat_template_kwargs`, e.g. enable_thinking), tokenized
+template with the generation prompt (`model.chat_template_kwargs`, e.g. enable_thinking), tokenized
 as vLLM's server does: what the target sees at serving time.
 
 The engine is the extraction engine's settings without capture (`engine.engine_kwargs`). Requests go to
@@ -34,6 +34,7 @@ from eagle3data.model_info import read_model_info
 from eagle3data.replies import ReplyParser
 from eagle3data.store import atomic_path, atomic_write_text
 from eagle3data.testing import kill_point
+from eagle3data.tokenization import with_template_kwargs
 
 logger = get_logger(__name__)
 
@@ -59,6 +60,7 @@ class RegenerateJob:
     max_seq_len: int
     engine: dict
     settings: dict  # the config's `regenerate` section
+    chat_template_kwargs: dict = field(default_factory=dict)  # config `model.chat_template_kwargs`
 
 
 @dataclass
@@ -128,7 +130,7 @@ class Regenerator:
     def prompt_ids(self, messages: list[dict], tools) -> list[int]:
         kwargs = {"tools": tools} if tools else {}
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  **kwargs, **self.settings["chat_template_kwargs"])
+                                                  **kwargs)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def next_request(self, conv: Rewrite) -> Request | None:
@@ -241,7 +243,9 @@ def run(job: RegenerateJob, llm=None) -> dict:
     from transformers import AutoTokenizer
 
     began = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(job.model_path, trust_remote_code=job.trust_remote_code)
+    tokenizer = with_template_kwargs(
+        AutoTokenizer.from_pretrained(job.model_path, trust_remote_code=job.trust_remote_code),
+        job.chat_template_kwargs)
     kwargs = engine_settings(job)
     start, stop = job.rows
     conversations = [plan(row["source_row"], json.loads(row["record"]), job.settings["turns"], tokenizer)

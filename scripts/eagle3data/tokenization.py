@@ -19,6 +19,7 @@ context (mask 0) in the later samples. Each sample has its own id and is counted
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -65,6 +66,15 @@ class Sample:
     end: int
     text: str
     turns: list[Turn]
+
+
+def with_template_kwargs(tokenizer, kwargs: dict):
+    """The tokenizer with `kwargs` (config `model.chat_template_kwargs`, e.g. a thinking switch) given to
+    every chat-template rendering: tokenize renders a conversation as the target is served with them, and
+    as regenerate prompted it."""
+    if kwargs:
+        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **kwargs)
+    return tokenizer
 
 
 def _render(tokenizer, messages: list[dict], tools, add_generation_prompt: bool) -> str:
