@@ -10,8 +10,8 @@
   race with the job's own progress gives.
 
 Points: `extract:engine_ready` (before the first sample), `extract:batch_done` (after each batch's
-generate() returned and its replies were checked; its files are checked as they land), `write:<final
-path>` (a file written in full under its temporary name, not yet renamed: `store.atomic_path`, in
+generate() returned and its replies were checked; its files are checked as they land),
+`regenerate:stored` (after each response is journaled and fsynced), `write:<final path>` (a file written in full under its temporary name, not yet renamed: `store.atomic_path`, in
 whichever process writes it, vLLM's worker included).
 """
 
