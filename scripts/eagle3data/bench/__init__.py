@@ -3,3 +3,7 @@
 Each figure measures a stage against its own limit in one run (see docs/benchmarks.md); the crosscheck
 compares the pipeline's captured states with transformers' on a GPU machine.
 """
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]  # the checkout: config/, data/ and the Snakefile the benchmarks run

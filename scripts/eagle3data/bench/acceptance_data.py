@@ -20,7 +20,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-REPO = Path(__file__).resolve().parents[3]
+from eagle3data.bench import REPO
+
 CAPTURES = [{"layer": 2, "point": "input"}, {"layer": 15, "point": "input"},
             {"layer": 27, "point": "input"}, {"layer": 29, "point": "output"}]
 LAYER_IDS = [2, 15, 27]  # speculators' --target-layer-ids for SmolLM2-135M (30 layers)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
-LISTS = Path(__file__).resolve().parents[3] / "data" / "acceptance"
+from eagle3data.bench import REPO
+
+LISTS = REPO / "data" / "acceptance"
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ import pandas as pd
 import pyarrow.compute as pc
 import yaml
 
+from eagle3data.bench import REPO
 from eagle3data.conversations import normalize_messages
 from eagle3data.tokenization import tokenize_shard
 
-REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "data" / "demo" / "conversations.jsonl"
 
 
