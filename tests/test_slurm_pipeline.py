@@ -177,8 +177,9 @@ def test_dataset_equals_the_local_run(slurm_runs, demo_run):
     assert not problems, "\n".join(problems)
 
 
-def test_site_settings_reach_only_extract_jobs(monkeypatch):
-    """The profile's environment variables become resources of every job, or of extract jobs only."""
+def test_site_settings_reach_only_gpu_jobs(monkeypatch):
+    """The profile's environment variables become resources of every job, or of the jobs that start an
+    engine (extract, regenerate) only."""
     env = {"EAGLE3_SLURM_PARTITION": "cpu", "EAGLE3_SLURM_ACCOUNT": "proj", "EAGLE3_SLURM_GPU_PARTITION": "gpu",
            "EAGLE3_SLURM_GPU_MODEL": "h100", "EAGLE3_SLURM_GPU_CONSTRAINT": "h100&ib",
            "EAGLE3_SLURM_EXTRACT_MEM_MB": "64000"}
@@ -187,9 +188,9 @@ def test_site_settings_reach_only_extract_jobs(monkeypatch):
     with open(REPO / "profiles" / "slurm" / "config.yaml") as f:
         profile = ProfileConfigFileParser().parse(f)
     assert {"slurm_partition='cpu'", "slurm_account='proj'"} <= set(profile["default-resources"])
-    assert sorted(profile["set-resources"]) == sorted([
-        "extract:mem_mb=64000 * attempt", "extract:slurm_partition='gpu'", "extract:gpu_model='h100'",
-        "extract:constraint='h100&ib'"])
+    assert sorted(profile["set-resources"]) == sorted(
+        f"{rule}:{setting}" for rule in ("extract", "regenerate") for setting in (
+            "mem_mb=64000 * attempt", "slurm_partition='gpu'", "gpu_model='h100'", "constraint='h100&ib'"))
     for name in env:
         monkeypatch.delenv(name)
     with open(REPO / "profiles" / "slurm" / "config.yaml") as f:
