@@ -22,7 +22,6 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pandas as pd
 

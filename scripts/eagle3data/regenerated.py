@@ -13,12 +13,7 @@ import json
 
 import pandas as pd
 
-from eagle3data.logs import get_logger
-from eagle3data.schemas import SkippedShard, TokenizedShard, check
-from eagle3data.store import atomic_path
-from eagle3data.tokenization import tokenize_records
-
-logger = get_logger(__name__)
+from eagle3data.tokenization import tokenize_records, write_tables
 
 
 def read_rows(path: str) -> list[dict]:
@@ -34,11 +29,4 @@ def tokenize_regenerated(tokenizer, conversations: str, stats: str, sequence: di
     kept, skipped = tokenize_records(tokenizer, rows, sequence["max_seq_len"], sequence["min_seq_len"])
     regenerate_skipped = pd.DataFrame(json.loads(open(stats).read())["skipped_rows"], columns=skipped.columns)
     skipped = pd.concat([skipped, regenerate_skipped], ignore_index=True).sort_values("source_row")
-    kept = check(TokenizedShard, kept, tokenized_out)
-    skipped = check(SkippedShard, skipped.reset_index(drop=True), skipped_out)
-    for path, frame in ((tokenized_out, kept), (skipped_out, skipped)):
-        with atomic_path(path) as tmp:
-            frame.to_parquet(tmp, index=False)
-    logger.info("%s: %d samples, %d skipped %s", conversations, len(kept), len(skipped),
-                skipped["reason"].str.split(":").str[0].value_counts().to_dict())
-    return kept, skipped
+    return write_tables(kept, skipped, tokenized_out, skipped_out, conversations)

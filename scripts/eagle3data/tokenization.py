@@ -189,12 +189,18 @@ def tokenize_shard(tokenizer, conversations_path: str, rows: tuple[int, int], se
     start, stop = rows
     kept, skipped = tokenize_records(tokenizer, conversations.read_shard(conversations_path, start, stop),
                                      sequence["max_seq_len"], sequence["min_seq_len"])
+    return write_tables(kept, skipped, tokenized_out, skipped_out, f"rows {start}..{stop}")
+
+
+def write_tables(kept: pd.DataFrame, skipped: pd.DataFrame, tokenized_out: str, skipped_out: str,
+                 what: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A tokenized shard's two tables checked against their contracts and written atomically."""
     kept = check(TokenizedShard, kept, tokenized_out)
-    skipped = check(SkippedShard, skipped, skipped_out)
+    skipped = check(SkippedShard, skipped.reset_index(drop=True), skipped_out)
     for path, frame in ((tokenized_out, kept), (skipped_out, skipped)):
         with atomic_path(path) as tmp:
             frame.to_parquet(tmp, index=False)
-    logger.info("rows %d..%d: %d samples, %d skipped %s", start, stop, len(kept), len(skipped),
+    logger.info("%s: %d samples, %d skipped %s", what, len(kept), len(skipped),
                 skipped["reason"].str.split(":").str[0].value_counts().to_dict())
     return kept, skipped
 
