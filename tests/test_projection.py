@@ -1,0 +1,101 @@
+"""The node projection (`eagle3data.bench.projection`): its numbers follow from its stated inputs, and
+the terms that should lower the GPU-busy share do, naming themselves as the bound. No engine; seconds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from eagle3data.bench.projection import main
+
+H200_RUN = REPO / "docs/measurements/2026-12-01-h200-figure1-default.json"
+
+
+def projection(capsys, *args: str) -> dict:
+    main([*args, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_kimi_defaults_give_what_the_formulas_imply(capsys):
+    measured = json.loads(H200_RUN.read_text())
+    # Kimi-K2.5 on 8 H200s: 300,000 conversations of 400 tokens in shards of 30,000, 4 x [T, 7168] bf16.
+    tokens = 300_000 * 400
+    states = tokens * 57_344
+    shards = 10
+    prefill = measured["bare"]["tokens_per_second"] * 8.03e9 / 32e9 * 8
+    extract_rate = prefill * measured["figures"]["extract_over_bare"]
+    disk = measured["write"]["store_bytes_per_second"]
+    busy = tokens / prefill
+    # One engine start; the first shard's tokenize ahead of it; extraction sharing the disk with
+    # validate (all shards but the last); the last shard's validate, then pack (read + write) after.
+    extraction = max(tokens / extract_rate, (states + states * 9 / 10) / disk)
+    last_validate = states / shards / min(1.70e9, disk)
+    pack = max(states / 0.95e9, 2 * states / disk)
+    wall = tokens / shards / 25_600 + 22 * 60 + extraction + last_validate + pack
+
+    result = projection(capsys)
+    assert result["tokens"] == tokens and result["shards"] == shards and result["engine_starts"] == 1
+    assert result["state_bytes"] == pytest.approx(6.88e12, rel=1e-3)
+    assert result["gpu_busy_seconds"] == pytest.approx(busy, rel=1e-4)
+    assert result["wall_seconds"] == pytest.approx(wall, rel=1e-3)
+    assert result["gpu_busy_share"] == pytest.approx(busy / wall, rel=1e-3)
+    stages = {s["stage"]: s for s in result["stages"]}
+    assert stages["pack"]["disk_bytes"] == pytest.approx(2 * states)
+    assert stages["validate"]["critical_seconds"] == pytest.approx(last_validate, rel=1e-3)
+    losses = sum(loss["seconds"] for loss in result["losses"])
+    assert losses == pytest.approx(result["wall_seconds"] - result["gpu_busy_seconds"], rel=1e-9)
+    assert result["bound"].startswith("pack") and result["gpu_busy_share"] < result["goal"]
+    # Today's pipeline: one engine start per shard.
+    assert result["compared"]["engine_starts"] == shards
+    assert result["compared"]["wall_seconds"] == pytest.approx(wall + 9 * 22 * 60, rel=1e-3)
+
+
+def test_measured_file_gives_the_built_in_rates(capsys):
+    assert projection(capsys, "--measured", str(H200_RUN))["gpu_busy_share"] == pytest.approx(
+        projection(capsys)["gpu_busy_share"], rel=1e-3)
+    benchmark_command = REPO / "docs/measurements/2026-11-30-h200-figures-1-7-session5.json"
+    session5 = projection(capsys, "--measured", str(benchmark_command))
+    assert session5["inputs"]["prefill_tps"] == pytest.approx(42_719.2 * 8.03e9 / 32e9 * 8, rel=1e-4)
+    assert session5["inputs"]["extract_over_bare"] == pytest.approx(0.964, abs=1e-3)
+
+
+def test_slower_disk_lowers_the_share_and_the_bound_names_it(capsys):
+    fast = projection(capsys, "--disk-gbps", "100")
+    default = projection(capsys)
+    slow = projection(capsys, "--disk-gbps", "0.5")
+    assert fast["gpu_busy_share"] > default["gpu_busy_share"] > slow["gpu_busy_share"]
+    assert "disk" not in fast["bound"] and "CPU" in fast["bound"]  # pack at its own rate
+    assert "disk" in slow["bound"]
+
+
+def test_more_engine_starts_lower_the_share(capsys):
+    shares = [projection(capsys, "--engine-starts", n)["gpu_busy_share"] for n in ("1", "3", "per-shard")]
+    assert shares == sorted(shares, reverse=True) and len(set(shares)) == 3
+    assert projection(capsys, "--engine-starts", "per-shard")["bound"].startswith("engine starts")
+    # Eight TP1 engines start side by side: ten shards need two starts each.
+    assert projection(capsys, "--engine-starts", "per-shard", "--tp", "1")["engine_starts"] == 2
+    # A start from the checkpoint's bytes: 540 GB at the disk's 2 GB/s plus a fixed 600 s.
+    from_checkpoint = projection(capsys, "--engine-fixed-seconds", "600", "--disk-gbps", "2")
+    assert from_checkpoint["inputs"]["engine_start_seconds"] == pytest.approx(540 / 2 + 600)
+
+
+def test_goal_is_met_when_nothing_but_compute_is_left(capsys):
+    result = projection(capsys, "--prefill-tps", "2280", "--disk-gbps", "1000", "--pack-gbps", "1000",
+                        "--extract-over-bare", "1", "--shard-size", "1000", "--validate-gbps", "1000")
+    assert result["gpu_busy_share"] >= result["goal"]
+
+
+def test_command_prints_stages_and_json():
+    run = [sys.executable, "-m", "eagle3data.bench.projection"]
+    text = subprocess.run(run, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    for stage in ("tokenize", "engine start", "extract", "validate", "pack", "exports"):
+        assert any(line.startswith(stage) for line in text.splitlines()), stage
+    assert "bound: pack" in text and "GPU-busy share" in text and "derived, assumed" in text
+    as_json = json.loads(subprocess.run([*run, "--json"], cwd=REPO, capture_output=True, text=True,
+                                        check=True).stdout)
+    assert f"{as_json['gpu_busy_share']:.3f}" in text
+    assert subprocess.run([*run, "--help"], cwd=REPO, capture_output=True).returncode == 0
