@@ -27,6 +27,10 @@ rule all:
         REGENERATE_OUTPUTS,
 
 
+onsuccess:
+    engine_pool.stop_idle_of_run(RUN_DIR)
+
+
 onerror:
     print(
         f"eagle3-datagen: a job failed. Logs are under {RUN_DIR}/logs/; finished samples are kept in "

@@ -1,5 +1,5 @@
 # Run the target model (vLLM) over a shard and store each sample's hidden states; reuses finished ones.
-from eagle3data import failed_samples
+from eagle3data import engine_pool, failed_samples
 
 # Host memory of one extract job on attempt 1, MB (an estimate: a base plus a share per engine GPU).
 # It grows with each retry (mem_mb x attempt; --retries), so a job killed for memory comes back with

@@ -6,7 +6,7 @@ from eagle3data.logs import redirect_output_to
 if __name__ == "__main__":
     sm = snakemake  # noqa: F821
     redirect_output_to(sm.log[0])
-    start_job(sm.resources.gpu)  # claims this job's GPUs: before anything starts CUDA
+    start_job(sm.resources.gpu, claim=False)  # the engine server this job may start claims the GPUs
     from eagle3data.conversations import count_conversations
     from eagle3data.disk import InputShape
     from eagle3data.extract import ExtractJob, run
@@ -31,5 +31,6 @@ if __name__ == "__main__":
             input_shape=shape,
             storage=dict(sm.config["storage"]),
             fail_samples=tuple(sm.config["testing"]["fail_samples"]),
+            gpus=sm.resources.gpu,
         )
     )

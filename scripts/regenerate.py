@@ -6,6 +6,10 @@ from eagle3data.logs import redirect_output_to
 if __name__ == "__main__":
     sm = snakemake  # noqa: F821
     redirect_output_to(sm.log[0])
+    if sm.resources.gpu:  # an idle capturing engine of this node may hold the GPUs
+        from eagle3data.engine_pool import stop_idle
+
+        stop_idle()
     start_job(sm.resources.gpu)  # claims this job's GPUs: before anything starts CUDA
     from eagle3data.regenerate import RegenerateJob, run
 

@@ -20,6 +20,9 @@ def demo_config(**overrides) -> dict:
     """The embedded default config, with absolute input paths so it runs from any directory."""
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config["input"] = str(DEMO_CONVERSATIONS)
+    # A run that fails leaves its engine loaded this long (engine.keep_alive_s): the suite's failing runs
+    # must not pile up idle engines.
+    config["engine"]["keep_alive_s"] = 30
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key] = {**config[key], **value}

@@ -170,6 +170,52 @@ def test_runs_killed_anywhere_resume_to_the_uninterrupted_dataset(reference, tin
     assert_same_dataset(workdir, reference)
 
 
+def test_one_engine_serves_the_shards_and_its_crash_fails_only_the_shard_in_flight(reference, tiny_deepseek,
+                                                                                 tmp_path):
+    """Four shards of two samples, shard 00001's first (--prioritize). Its engine is killed while it
+    computes (test hook EAGLE3DATA_TEST_KILL_ENGINE_AT: the engine alone dies): only that shard fails,
+    loudly; the next job starts another engine, which serves the three other shards one after another.
+    A re-run soon after uses that engine (kept loaded for keep_alive_s after a failed run) and finishes
+    the failed shard from the store; the run's success stops it."""
+    from eagle3data import engine_pool
+    from eagle3data.testing import KILL_ENGINE_ENV
+
+    workdir = new_run(tmp_path / "run", 8)
+    config = small_config(tiny_deepseek, shard_size=2, engine={"batch_samples": 2, "keep_alive_s": 600})
+    (workdir / "test-config.yaml").write_text(yaml.safe_dump(config))
+    shards = [f"{i:05d}" for i in range(4)]
+    env = {**os.environ, KILL_ENGINE_ENV: "engine:generate:shard-00001"}
+    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2",
+           "--configfile", str(workdir / "test-config.yaml"), "--prioritize", f"{RUN}/extract/shard-00001.parquet"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=workdir, env=env)
+    assert first.returncode != 0, first.stdout[-3000:] + first.stderr[-3000:]
+    crashed = [s for s in shards if "went away while serving this job" in extract_log(workdir, s)]
+    assert crashed == ["00001"], [extract_log(workdir, s)[-2000:] for s in shards]
+    assert not (workdir / RUN / "extract/shard-00001.parquet").exists()
+    done = {s: stats(workdir, s) for s in shards if s not in crashed}
+    assert len(done) == 3  # --keep-going: the other shards finished
+    # Two engine loads in all: the one that crashed, loaded by shard 00001's job, and the one the next
+    # job loaded, which served the three other shards.
+    started = {s: re.findall(r"starting engine (\S+) on", extract_log(workdir, s)) for s in shards}
+    crashed_engine, = started.pop("00001")
+    survivor, = [e for ids in started.values() for e in ids]
+    assert {s["engine_id"] for s in done.values()} == {survivor} != {crashed_engine}
+    assert sorted(s["engine_shards_served"] for s in done.values()) == [1, 2, 3]
+    assert sum(s["engine_loaded_here"] for s in done.values()) == 1
+    assert len(list((workdir / RUN / "logs/engine").glob("*.log"))) == 2
+
+    second = run_snakemake(workdir)
+    redone = re.findall(r"Extracting hidden states for shard (\d+)", second.stdout + second.stderr)
+    assert redone == ["00001"]
+    again = stats(workdir, "00001")
+    assert not again["engine_loaded_here"] and again["engine_id"] == survivor  # no load: it was still up
+    assert again["reused"] + again["computed"] == again["samples"] and again["computed"] > 0
+    assert not [e for e in engine_pool.entries() if e.id == survivor]  # the run succeeded: stopped
+    counts = json.loads((workdir / RUN / "dataset.counts.json").read_text())
+    assert counts["packed"] + counts["skipped"] == counts["conversations_in"] == 8, counts
+    assert_same_dataset(workdir, reference)
+
+
 def test_other_batches_give_the_same_dataset(reference, tiny_deepseek, tmp_path):
     """What a resumed or retried run does to the samples it computes: puts them in other batches. Here
     all 8 go to the engine in one call, up to 16 requests a step asked for (the reference: one by one);

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from eagle3data import disk, failed_samples
+from eagle3data import disk, engine_pool, failed_samples
 from eagle3data import engine as engine_mod
 from eagle3data.logs import get_logger
 from eagle3data.schemas import BoundaryError, ExtractManifest, TokenizedShard, check
@@ -44,6 +44,15 @@ class ExtractJob:
     input_shape: disk.InputShape | None = None  # None: this shard is the whole input
     storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
     fail_samples: tuple[str, ...] = ()  # testing.fail_samples, a test-only hook (testing.py)
+    gpus: int = 0  # the job's `gpu` resource: what an engine server it starts claims
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.manifest).parents[1]
+
+    @property
+    def shard_name(self) -> str:
+        return Path(self.tokenized).name.split(".")[0]
 
 
 def check_reply(sample_id: str, reply, expected_path: str) -> None:
@@ -102,10 +111,10 @@ def run(job: ExtractJob) -> dict:
     began = time.perf_counter()
     make_durable([Path(path) for _, _, path, _ in manifest])  # reused files too: a killed run wrote them
     steps["durable"] += time.perf_counter() - began
-    files_after_generate, engine_start = 0, 0.0
+    files_after_generate, engine = 0, {"engine_start_seconds": 0.0}
     try:
         if todo:
-            files_after_generate, engine_start = _compute(job, todo, failed, steps)
+            files_after_generate, engine = _compute(job, todo, failed, steps)
     finally:  # what failed is on record even when the job dies after it
         if failed:
             failed_samples.write(job.manifest, job.tokenized, failed, len(shard), len(manifest))
@@ -126,7 +135,7 @@ def run(job: ExtractJob) -> dict:
         "tokens_per_second": computed_tokens / seconds if computed_tokens else None,
         **{f"{step}_seconds": value for step, value in steps.items()},
         "files_to_come_after_generate": files_after_generate,
-        "engine_start_seconds": engine_start,
+        **engine,
     }
     df = pd.DataFrame(manifest, columns=["sample_id", "num_tokens", "path", "status"])
     df = check(ExtractManifest, df, f"extract manifest for {job.tokenized}")
@@ -134,29 +143,7 @@ def run(job: ExtractJob) -> dict:
         df.to_parquet(tmp, index=False)
     atomic_write_text(job.stats, json.dumps(stats, indent=2))
     logger.info("shard %s done: %s", job.tokenized, stats)
-    if todo:
-        report_engine_start(engine_start, seconds, len(todo), job.input_shape)
     return stats
-
-
-START_SHARE_GOAL = 0.1  # the share of an extract job's engine time that its start may take unremarked
-
-
-def report_engine_start(start_s: float, compute_s: float, computed: int, shape: disk.InputShape | None) -> None:
-    """Each extract job starts its own engine (20+ minutes for Kimi-K2.5): say what share of the job it
-    took, and when it is more than START_SHARE_GOAL, the shard size that would bring it there."""
-    share = start_s / max(start_s + compute_s, 1e-9)
-    message = (f"the engine's start took {start_s:.0f} s, {share:.0%} of this job's engine time "
-               f"({compute_s:.1f} s computing {computed} samples)")
-    if share <= START_SHARE_GOAL:
-        logger.info("%s", message)
-        return
-    per_sample = max(compute_s / computed, 1e-9)
-    needed = int(start_s * (1 - START_SHARE_GOAL) / (START_SHARE_GOAL * per_sample)) + 1
-    now = f"now {shape.shard_size}" if shape else "the whole input is one shard now"
-    logger.warning("%s: each extract job starts its own engine, so a larger shard_size spreads its start "
-                   "over more samples; at this job's pace, shard_size >= %d keeps it under %.0f%% (%s)",
-                   message, needed, START_SHARE_GOAL * 100, now)
 
 
 def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
@@ -171,53 +158,75 @@ def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
                               job.storage["check_free_space"])
 
 
-def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[str, float]) -> int:
-    """Compute `todo` in batches; each sample that fails goes to `failed` (id -> reason), file removed.
-    Each batch's generate() starts as soon as the last one returned: the watcher (watcher.py) checks the
-    files meanwhile. Adds to `steps` the seconds of generate() and of checking its replies, of waiting
-    for the shard's last files and checking them (the files found whole before start syncing then:
-    `store.start_syncing`), and of making every computed file durable. That last step runs before the
-    engine stops, so that its clock holds the whole wait for the disk: during a shutdown (5 s on the
-    H200) the disk would flush the shard's last gigabyte unseen. Returns how many files were still to
-    come when the last generate() returned (how far the writes trailed the GPU), and the seconds the
-    engine took to start (kept out of `steps`: tokens/s is the running engine's)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
+def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[str, float]) -> tuple[int, dict]:
+    """Compute `todo` on an engine of the node (engine_pool.py: a free one with these settings, else one
+    this job starts); each sample that fails goes to `failed` (id -> reason), file removed. Adds to
+    `steps` the seconds of generate() and of checking its replies, of waiting for the shard's last files
+    and checking them, and of making every computed file durable; the engine is handed back before that
+    last step, so the next shard's prefill overlaps this shard's fsyncs. Returns how many files were
+    still to come when the last generate() returned (how far the writes trailed the engine) and the
+    engine's stats (engine_stats; the wait for the engine is kept out of `steps`: tokens/s is the
+    running engine's)."""
     starting = time.perf_counter()
-    llm = engine_mod.start_engine(
+    engine = engine_pool.acquire(
         engine_mod.engine_kwargs(
             job.model_path, job.expected.captures, job.expected.dtype, job.max_seq_len, job.engine,
             job.trust_remote_code, job.store_dir,
         ),
-        job.engine["cpu_kv_cache_gib"],
+        job.engine["cpu_kv_cache_gib"], [c.__dict__ for c in job.expected.captures], job.engine["keep_alive_s"],
+        job.gpus, str(job.run_dir), job.shard_name,
     )
-    engine_mod.verify_engine(
-        llm, job.expected.captures, job.expected.dtype, job.engine["tensor_parallel_size"]
-    )
-    engine_mod.check_prompt_fits(llm, max(r.num_tokens for r in todo))
-    engine_start = time.perf_counter() - starting
-    kill_point("extract:engine_ready")
+    try:
+        engine.check_prompt_fits(max(r.num_tokens for r in todo))
+        shards_served = engine.begin_shard(job.shard_name)
+        waited = time.perf_counter() - starting
+        kill_point("extract:engine_ready")
+        to_come, whole, syncing = _run_batches(job, engine, todo, failed, steps)
+    finally:
+        engine.close()
+    stats = engine_stats(engine, waited, shards_served)
+    logger.info("engine %s on %s: %s", engine.entry.id, engine.entry.node, stats)
+    began = time.perf_counter()
+    make_durable(whole, syncing)
+    steps["durable"] += time.perf_counter() - began
+    return to_come, stats
+
+
+def engine_stats(engine: engine_pool.RemoteEngine, waited: float, shards_served: int) -> dict:
+    """What the report sums per node: which engine served the job, whether this job loaded it (and so
+    waited for its load), and how many shards it had served."""
+    return {
+        "engine_start_seconds": waited,
+        "engine_id": engine.entry.id,
+        "engine_node": engine.entry.node,
+        "engine_loaded_here": engine.loaded_here,
+        "engine_load_seconds": engine.entry.start_seconds,
+        "engine_shards_served": shards_served,
+    }
+
+
+def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, failed: dict[str, str],
+                 steps: dict[str, float]) -> tuple[int, list, object]:
+    """generate() batch after batch, each as soon as the last returned, replies checked; the watcher
+    (watcher.py) checks the files as they land. Returns the files still to come after the last
+    generate(), and for make_durable the whole files and the sync of those found whole early
+    (`store.start_syncing`)."""
     batch = job.engine["batch_samples"]
     progress = tqdm(total=len(todo), desc="extract", unit="sample", mininterval=5)
     with StatesWatcher(job.expected, job.fail_samples) as watcher:
         for start in range(0, len(todo), batch):
             rows = todo[start : start + batch]
             paths = [sample_path(job.store_dir, r.sample_id) for r in rows]
-            prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in r.input_ids]) for r in rows]
-            params = [
-                SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"hidden_states_path": str(p)}})
-                for p in paths
-            ]
+            prompts = [[int(t) for t in r.input_ids] for r in rows]
             watcher.expect(rows, paths)
             began = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            replies = engine.generate(prompts, [str(p) for p in paths])
             generated = time.perf_counter()
-            if len(outputs) != len(rows):
-                raise BoundaryError(f"engine returned {len(outputs)} outputs for {len(rows)} prompts")
-            for row, path, output in zip(rows, paths, outputs):
+            if len(replies) != len(rows):
+                raise BoundaryError(f"engine returned {len(replies)} outputs for {len(rows)} prompts")
+            for row, path, reply in zip(rows, paths, replies):
                 try:
-                    check_reply(row.sample_id, output.kv_transfer_params, str(path))
+                    check_reply(row.sample_id, reply, str(path))
                 except BoundaryError as exc:
                     watcher.drop(row.sample_id)
                     _fail(row.sample_id, str(exc), path, failed)
@@ -234,10 +243,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
     for sample_id, reasons in problems.items():
         _fail(sample_id, "\n".join(reasons), sample_path(job.store_dir, sample_id), failed)
     progress.close()
-    began = time.perf_counter()
-    make_durable(watcher.whole(), syncing.result())
-    steps["durable"] += time.perf_counter() - began
-    return to_come, engine_start
+    return to_come, watcher.whole(), syncing.result()
 
 
 def _fail(sample_id: str, reason: str, path: Path, failed: dict[str, str]) -> None:

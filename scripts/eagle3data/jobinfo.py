@@ -35,18 +35,30 @@ class GpuClaimError(RuntimeError):
     """A job's GPUs cannot be claimed: too few are visible, or SLURM bound none to it."""
 
 
-def start_job(gpus: int) -> None:
-    """Claim `gpus` GPUs for this job (none: nothing to claim) and log node, GPUs and SLURM job id."""
-    slurm_job = os.environ.get("SLURM_JOB_ID")
-    visible = visible_gpus(slurm_job) if gpus else []
-    if len(visible) != gpus:  # a local run: more GPUs visible than this job asked for
-        scope = LOCK_ROOT / f"{socket.gethostname()}-{slurm_job or 'local'}"
-        claimed = claim_gpus(gpus, visible, scope)
+def node_scope() -> str:
+    """Node and SLURM allocation (or "local"): what GPU locks and engine servers are shared within."""
+    return f"{socket.gethostname()}-{os.environ.get('SLURM_JOB_ID') or 'local'}"
+
+
+def claim_job_gpus(gpus: int) -> dict[str, BinaryIO] | None:
+    """Lock `gpus` GPUs among those visible when more are visible (a local run); GPU -> held lock file.
+    None when there is nothing to claim: no GPUs asked for, or the job sees exactly its own (SLURM)."""
+    visible = visible_gpus(os.environ.get("SLURM_JOB_ID")) if gpus else []
+    if len(visible) == gpus:
+        return None
+    return claim_gpus(gpus, visible, LOCK_ROOT / node_scope())
+
+
+def start_job(gpus: int, claim: bool = True) -> None:
+    """Log node, GPUs and SLURM job id; with `claim`, claim `gpus` GPUs for this process first (an
+    extract job leaves the claim to the engine server it starts: engine_pool.py)."""
+    claimed = claim_job_gpus(gpus) if claim else None
+    if claimed is not None:
         _held.update(claimed)
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(claimed)
     logger.info(
         "job on node %s, SLURM job %s, %d GPUs requested, CUDA_VISIBLE_DEVICES=%s",
-        socket.gethostname(), slurm_job or "none (local run)", gpus,
+        socket.gethostname(), os.environ.get("SLURM_JOB_ID") or "none (local run)", gpus,
         os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
     )
 

@@ -5,13 +5,17 @@
 - `EAGLE3DATA_TEST_KILL_AT=<pattern>[#n]` in the environment: the n-th time (default 1) this process
   reaches a point whose name matches the glob `pattern`, it SIGKILLs its whole process group: started
   in its own session, that is the whole `snakemake` run, as a node crash or `kill -9` would.
+- `EAGLE3DATA_TEST_KILL_ENGINE_AT=<pattern>` in an extract job's environment: the engine server serving
+  it (engine_server.py) SIGKILLs itself and vLLM's processes under it, and nothing else, the first time
+  it reaches a point of that job matching `pattern`: an engine crash, which must fail only the job it
+  serves. The job sends the setting with its requests (a server outlives the run that started it).
 - `EAGLE3DATA_TEST_PAUSE_AT=<pattern>[#n]`: at that point the process says so on stderr and waits until
   it is killed, so that a test can cancel a job (`scancel`) at a known point, not at whatever point a
   race with the job's own progress gives.
 
 Points: `extract:engine_ready` (before the first sample), `extract:batch_done` (after each batch's
 generate() returned and its replies were checked; its files are checked as they land),
-`regenerate:stored` (after each response is journaled and fsynced), `write:<final path>` (a file written in full under its temporary name, not yet renamed: `store.atomic_path`, in
+`engine:generate:<shard>` (in the engine server, before each batch's generate() for that shard's job), `regenerate:stored` (after each response is journaled and fsynced), `write:<final path>` (a file written in full under its temporary name, not yet renamed: `store.atomic_path`, in
 whichever process writes it, vLLM's worker included).
 """
 
@@ -25,6 +29,7 @@ import sys
 import time
 
 KILL_ENV = "EAGLE3DATA_TEST_KILL_AT"
+KILL_ENGINE_ENV = "EAGLE3DATA_TEST_KILL_ENGINE_AT"
 PAUSE_ENV = "EAGLE3DATA_TEST_PAUSE_AT"
 PAUSED = "pausing until killed"  # in the line a paused process writes
 _reached: collections.Counter = collections.Counter()
@@ -64,3 +69,18 @@ def kill_point(name: str) -> None:
         print(f"{PAUSE_ENV}={spec}: {PAUSED} at {name}", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
+
+
+def kill_engine_point(name: str, spec: str | None) -> None:
+    """SIGKILL this process and its descendants (an engine server and vLLM's processes) the first time
+    it reaches a point matching `spec`, the KILL_ENGINE_ENV setting of the job it serves."""
+    if not spec or not fnmatch.fnmatchcase(name, spec) or _reached[KILL_ENGINE_ENV, spec]:
+        return
+    _reached[KILL_ENGINE_ENV, spec] += 1
+    import psutil
+
+    print(f"{KILL_ENGINE_ENV}={spec}: killing engine process {os.getpid()} at {name}", file=sys.stderr,
+          flush=True)
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
