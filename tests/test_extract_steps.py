@@ -4,6 +4,7 @@ buffers reused by the connector, and the stats that say where the time went."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -166,3 +167,8 @@ def test_extract_stats_say_where_the_time_went(demo_run):
         assert stats["engine_load_seconds"] == loaded[0]["engine_load_seconds"]
         if not stats["engine_loaded_here"]:
             assert stats["engine_start_seconds"] < stats["engine_load_seconds"], stats
+    # The report sums the same per node: one node, three shards, one load of that many seconds.
+    summary = (demo_run / RUN / "report" / "summary.html").read_text()
+    engines = summary[summary.index("Engines per node"):summary.index("Extraction per shard")]
+    cells = re.findall(r"<td>([^<]*)</td>", engines)
+    assert cells[:4] == [loaded[0]["engine_node"], "3", "1", f"{loaded[0]['engine_load_seconds']:.1f}"], cells

@@ -22,17 +22,17 @@ def projection(capsys, *args: str) -> dict:
 
 def test_kimi_defaults_give_what_the_formulas_imply(capsys):
     measured = json.loads(H200_RUN.read_text())
-    # Kimi-K2.5 on 8 H200s: 300,000 conversations of 400 tokens in shards of 30,000, 4 x [T, 7168] bf16.
+    # Kimi-K2.5 on 8 H200s: 300,000 conversations of 400 tokens in shards of 1,000, 4 x [T, 7168] bf16.
     tokens = 300_000 * 400
     states = tokens * 57_344
-    shards = 10
+    shards = 300
     prefill = measured["bare"]["tokens_per_second"] * 8.03e9 / 32e9 * 8
     extract_rate = prefill * measured["figures"]["extract_over_bare"]
     disk = measured["write"]["store_bytes_per_second"]
     busy = tokens / prefill
     # One engine start; the first shard's tokenize ahead of it; extraction sharing the disk with
     # validate (all shards but the last); the last shard's validate, then pack (read + write) after.
-    extraction = max(tokens / extract_rate, (states + states * 9 / 10) / disk)
+    extraction = max(tokens / extract_rate, (states + states * (shards - 1) / shards) / disk)
     last_validate = states / shards / min(1.70e9, disk)
     pack = max(states / 0.95e9, 2 * states / disk)
     wall = tokens / shards / 25_600 + 22 * 60 + extraction + last_validate + pack
@@ -49,9 +49,9 @@ def test_kimi_defaults_give_what_the_formulas_imply(capsys):
     losses = sum(loss["seconds"] for loss in result["losses"])
     assert losses == pytest.approx(result["wall_seconds"] - result["gpu_busy_seconds"], rel=1e-9)
     assert result["bound"].startswith("pack") and result["gpu_busy_share"] < result["goal"]
-    # Today's pipeline: one engine start per shard.
+    # The pipeline before one engine served many shards: one engine start per shard.
     assert result["compared"]["engine_starts"] == shards
-    assert result["compared"]["wall_seconds"] == pytest.approx(wall + 9 * 22 * 60, rel=1e-3)
+    assert result["compared"]["wall_seconds"] == pytest.approx(wall + (shards - 1) * 22 * 60, rel=1e-3)
 
 
 def test_measured_file_gives_the_built_in_rates(capsys):
@@ -76,8 +76,8 @@ def test_more_engine_starts_lower_the_share(capsys):
     shares = [projection(capsys, "--engine-starts", n)["gpu_busy_share"] for n in ("1", "3", "per-shard")]
     assert shares == sorted(shares, reverse=True) and len(set(shares)) == 3
     assert projection(capsys, "--engine-starts", "per-shard")["bound"].startswith("engine starts")
-    # Eight TP1 engines start side by side: ten shards need two starts each.
-    assert projection(capsys, "--engine-starts", "per-shard", "--tp", "1")["engine_starts"] == 2
+    # Eight TP1 engines start side by side: 300 shards need 38 starts each (37.5 rounded up).
+    assert projection(capsys, "--engine-starts", "per-shard", "--tp", "1")["engine_starts"] == 38
     # A start from the checkpoint's bytes: 540 GB at the disk's 2 GB/s plus a fixed 600 s.
     from_checkpoint = projection(capsys, "--engine-fixed-seconds", "600", "--disk-gbps", "2")
     assert from_checkpoint["inputs"]["engine_start_seconds"] == pytest.approx(540 / 2 + 600)

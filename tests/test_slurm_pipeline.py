@@ -11,8 +11,8 @@ runs left behind; the dataset must equal the local run's under the reproducibili
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -42,6 +42,7 @@ PROFILE = [
     # poll fast: the plugin waits 40 s before its first status check by default
     "--seconds-between-status-checks", "1", "--slurm-init-seconds-before-status-checks", "1",
 ]
+SHARDS_PER_JOB = "EAGLE3_SLURM_SHARDS_PER_JOB"
 SITE_ENV = ("EAGLE3_SLURM_ACCOUNT", "EAGLE3_SLURM_EXTRACT_MEM_MB", "EAGLE3_SLURM_GPU_PARTITION",
             "EAGLE3_SLURM_GPU_MODEL", "EAGLE3_SLURM_GPU_CONSTRAINT")
 SUBMITTED = re.compile(r"Job (\d+) has been submitted with SLURM jobid (\d+) \(log: .*/rule_(\w+)/(?:(\d+)/)?\d+\.log\)")
@@ -86,40 +87,74 @@ def scancel_paused_extract(workdir: Path, run: threading.Thread) -> tuple[str, s
     raise AssertionError(f"the extract job of shard {CANCELLED_SHARD} never paused at {PAUSE_POINT}")
 
 
+@contextlib.contextmanager
+def site_settings(**env: str | None):
+    """The profile's site settings for the local cluster (partition main; no account: no slurmdbd; no GPU
+    types), and `env` (None: unset), as long as the block lasts; yields the MonkeyPatch for more."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in SITE_ENV:
+            patch.delenv(name, raising=False)
+        patch.setenv("EAGLE3_SLURM_PARTITION", "main")
+        for name, value in env.items():
+            if value is None:
+                patch.delenv(name, raising=False)
+            else:
+                patch.setenv(name, value)
+        yield patch
+
+
 @pytest.fixture(scope="module")
 def slurm_runs(tmp_path_factory) -> SlurmRuns:
     reason = unavailable_reason()
     if reason and skip_allowed():
         pytest.skip(reason)
-    saved = {name: os.environ.get(name) for name in ("EAGLE3_SLURM_PARTITION", PAUSE_ENV, *SITE_ENV)}
-    for name in SITE_ENV:  # no slurmdbd: an account would fail validation; no GPU types here
-        os.environ.pop(name, None)
-    os.environ["EAGLE3_SLURM_PARTITION"] = "main"
     workdir = tmp_path_factory.mktemp("slurm-run")
-    try:
-        with local_slurm(tmp_path_factory.mktemp("cluster")):
-            result: dict = {}
-            os.environ[PAUSE_ENV] = PAUSE_POINT  # the first run only
-            run = threading.Thread(target=lambda: result.update(proc=run_snakemake(
-                workdir, *PROFILE, "--retries", "0", config=demo_config(engine={"cpu_job_gpus": GPUS}),
-                check=False)))
-            run.start()
-            shard, slurm_id = scancel_paused_extract(workdir, run)
-            state = wait_job(slurm_id)
-            run.join()
-            del os.environ[PAUSE_ENV]
-            first = result["proc"].stdout + result["proc"].stderr
-            assert result["proc"].returncode != 0, f"the run with a cancelled job succeeded:\n{first[-4000:]}"
-            stats = {p.name.split(".")[0].removeprefix("shard-"): (p.read_text(), p.stat().st_mtime_ns)
-                     for p in (workdir / RUN / "extract").glob("shard-*.stats.json")}
-            second = run_snakemake(workdir, *PROFILE)
-            return SlurmRuns(workdir, first, second.stdout + second.stderr, shard, slurm_id, state, stats)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    # A SLURM job per shard: the cancel hits one shard.
+    with site_settings(**{SHARDS_PER_JOB: "1"}) as patch, local_slurm(tmp_path_factory.mktemp("cluster")):
+        result: dict = {}
+        patch.setenv(PAUSE_ENV, PAUSE_POINT)  # the first run only
+        run = threading.Thread(target=lambda: result.update(proc=run_snakemake(
+            workdir, *PROFILE, "--retries", "0", config=demo_config(engine={"cpu_job_gpus": GPUS}),
+            check=False)))
+        run.start()
+        shard, slurm_id = scancel_paused_extract(workdir, run)
+        state = wait_job(slurm_id)
+        run.join()
+        patch.delenv(PAUSE_ENV)
+        first = result["proc"].stdout + result["proc"].stderr
+        assert result["proc"].returncode != 0, f"the run with a cancelled job succeeded:\n{first[-4000:]}"
+        stats = {p.name.split(".")[0].removeprefix("shard-"): (p.read_text(), p.stat().st_mtime_ns)
+                 for p in (workdir / RUN / "extract").glob("shard-*.stats.json")}
+        second = run_snakemake(workdir, *PROFILE)
+        return SlurmRuns(workdir, first, second.stdout + second.stderr, shard, slurm_id, state, stats)
+
+
+@pytest.fixture(scope="module")
+def grouped_run(tmp_path_factory) -> tuple[Path, str]:
+    """The demo through the profile as it is by default: its three extract jobs (shards) in one SLURM job."""
+    reason = unavailable_reason()
+    if reason and skip_allowed():
+        pytest.skip(reason)
+    workdir = tmp_path_factory.mktemp("slurm-grouped")
+    with site_settings(**{SHARDS_PER_JOB: None}), local_slurm(tmp_path_factory.mktemp("cluster")):
+        proc = run_snakemake(workdir, *PROFILE, config=demo_config(engine={"cpu_job_gpus": GPUS}))
+    return workdir, proc.stdout + proc.stderr
+
+
+def test_one_engine_per_allocation(slurm_runs, grouped_run):
+    """By default an allocation runs several extract jobs, and one engine, loaded once, serves them all;
+    with one shard per SLURM job each allocation loads its own."""
+    workdir, log = grouped_run
+    every = [json.loads(p.read_text()) for p in sorted((workdir / RUN / "extract").glob("*.stats.json"))]
+    jobs = {JOB_LINE.findall(p.read_text())[-1][1] for p in (workdir / RUN / "logs" / "extract").glob("*.log")}
+    assert len(every) == 3 and len(jobs) == 1, log[-4000:]
+    assert len({s["engine_id"] for s in every}) == 1 and sum(s["engine_loaded_here"] for s in every) == 1
+    assert sorted(s["engine_shards_served"] for s in every) == [1, 2, 3]
+    per_shard = [json.loads(text) for text, _ in slurm_runs.stats_after_first.values()]
+    assert per_shard and all(s["engine_loaded_here"] for s in per_shard)
+    assert len({s["engine_id"] for s in per_shard}) == len(per_shard)
+    problems = dataset_differences(workdir / RUN / "dataset", slurm_runs.workdir / RUN / "dataset")
+    assert not problems, "\n".join(problems)
 
 
 def test_every_job_went_through_sbatch(slurm_runs):

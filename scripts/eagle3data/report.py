@@ -41,6 +41,21 @@ def content_rows(tokens: pd.DataFrame) -> list[tuple[str, str | int]]:
     ]
 
 
+def engines_per_node(shard_stats: pd.DataFrame) -> pd.DataFrame:
+    """Per node: engine loads, seconds loading, seconds extracting (engine_server.py: one engine serves
+    many shards). Shards with nothing to compute used no engine and are not counted."""
+    used = shard_stats[shard_stats["computed"] > 0]
+    if used.empty or "engine_node" not in used:
+        return pd.DataFrame(columns=["node", "shards", "engine loads", "seconds loading", "seconds extracting"])
+    loaded = used["engine_loaded_here"].astype(bool)
+    return pd.DataFrame({
+        "shards": used.groupby("engine_node").size(),
+        "engine loads": loaded.groupby(used["engine_node"]).sum(),
+        "seconds loading": used["engine_load_seconds"].where(loaded, 0.0).groupby(used["engine_node"]).sum(),
+        "seconds extracting": used.groupby("engine_node")["seconds"].sum(),
+    }).rename_axis("node").reset_index()
+
+
 def write_report(counts: str, tokenized: list[str], states: list[str], stats: list[str], out) -> None:
     counts_doc = json.loads(open(counts).read())
     tokens = pd.concat([pd.read_parquet(p, columns=SAMPLE_FACTS) for p in tokenized], ignore_index=True)
@@ -82,6 +97,8 @@ def write_report(counts: str, tokenized: list[str], states: list[str], stats: li
     ]
     table = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     throughput = shard_stats.to_html(index=False, float_format=lambda x: f"{x:.1f}")
+    engines = engines_per_node(shard_stats).to_html(index=False, float_format=lambda x: f"{x:.1f}")
     with open(out.summary, "w") as f:
         f.write(f"<html><body><h2>Counts</h2><table>{table}</table>"
+                f"<h2>Engines per node</h2>{engines}"
                 f"<h2>Extraction per shard</h2>{throughput}</body></html>")

@@ -112,8 +112,10 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
                                 parse_capture_arg(args.captures), os.cpu_count())
     return result, [Figure("7", "end_to_end", result["tokens_per_second"] / bare_tps, "", None,
                            f"{result['tokens']} tokens of {result['conversations']} conversations in "
-                           f"{result['seconds']:.1f} s = {result['tokens_per_second']:.0f} tok/s / bare prefill "
-                           f"{bare_tps:.0f} tok/s (engine start included)")]
+                           f"{result['shards']} shards in {result['seconds']:.1f} s = "
+                           f"{result['tokens_per_second']:.0f} tok/s / bare prefill {bare_tps:.0f} tok/s "
+                           f"(engine start included: {result['engine_loads']} load(s) for the run, "
+                           f"{result['engine_load_seconds']:.1f} s)")]
 
 
 def io_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:

@@ -19,7 +19,7 @@ The model (assumed, not measured, unless a rate says so):
   all-reduces and MLA are not in it; the field reports ~2,280 tok/s for Kimi-K2.5 on 8 GPUs:
   `--prefill-tps 2280`). Extraction runs at `extract_over_bare` of it (figure 1).
 - `--engine-starts` starts per engine, GPUs idle; the node's gpus / tp engines start side by side;
-  `per-shard` is today's pipeline (each extract job starts its own engine). A start takes the stated
+  `per-shard` is the pipeline before engines served many shards (each extract job started its own). A start takes the stated
   20-24 minutes (22), or checkpoint / read rate + a fixed cost; its checkpoint reads are listed as
   bytes but not charged to R beyond that.
 - One disk of R GB/s shared by every read and write at once. Extract writes every state byte while
@@ -247,7 +247,7 @@ def print_projection(node: Node, sources: dict, result: dict, compared: dict) ->
     print("losses: " + ", ".join(f"{loss['term']} {loss['seconds']:,.0f} s" for loss in result["losses"]
                                  if loss["seconds"] > 0))
     print(f"disk for extraction to keep pace with the GPUs: {result['disk_gbps_for_gpu_bound_extraction']:.2f} GB/s")
-    starts = ("one engine start per shard (today's pipeline)" if node.engine_starts is not None
+    starts = ("one engine start per shard (the pipeline before engine_server)" if node.engine_starts is not None
               else "one engine start per engine")
     print(f"with {starts}, {compared['engine_starts']} per engine: wall {compared['wall_seconds']:,.0f} s, "
           f"GPU-busy share {compared['gpu_busy_share']:.3f}, bound: {compared['bound']}")
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--conversations", type=int, default=300_000, help="default: %(default)s")
     p.add_argument("--tokens-per-conversation", type=float, default=400,
                    help="mean, after truncation (default: %(default)s)")
-    p.add_argument("--shard-size", type=int, default=30_000, help="default: %(default)s")
+    p.add_argument("--shard-size", type=int, default=1_000, help="default: %(default)s")
     p.add_argument("--hidden-size", type=int, default=7168, help="default: %(default)s")
     p.add_argument("--captures", type=int, default=4, help="default: %(default)s")
     p.add_argument("--active-params", type=float, default=32e9, help="per token (default: %(default)s)")

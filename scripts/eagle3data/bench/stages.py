@@ -100,16 +100,17 @@ def measure_planning(work: Path, conversations: int) -> dict:
 
 
 def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict, captures: list[dict],
-                       cores: int) -> dict:
-    """One whole run (tokenize, extract, validate, pack, report) of demo-like conversations as one
-    shard (one engine start), the model already built: tokens packed per wall second."""
+                       cores: int, shards: int = 2) -> dict:
+    """One whole run (tokenize, extract, validate, pack, report) of demo-like conversations in `shards`
+    shards, the model already built: tokens packed per wall second, and the engine loads it took (one:
+    the node's engine serves every shard)."""
     work.mkdir(parents=True, exist_ok=True)
     from eagle3data.model_info import read_model_info
 
     info = read_model_info(model)
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config.update(run="bench-e2e", input=str(write_conversations(work / "conversations.jsonl", conversations)),
-                  shard_size=conversations, captures=captures)
+                  shard_size=-(-conversations // shards), captures=captures)
     config["model"].update(path=str(Path(model).resolve()), build_demo=False, hidden_size=info.hidden_size,
                            num_hidden_layers=info.num_hidden_layers)
     config["engine"].update(engine)
@@ -121,5 +122,8 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     rules = {}
     for tsv in sorted((run / "benchmarks").rglob("*.tsv")):
         rules[str(tsv.relative_to(run / "benchmarks"))] = float(pd.read_csv(tsv, sep="\t")["s"].iloc[0])
+    extract = [json.loads(p.read_text()) for p in sorted((run / "extract").glob("*.stats.json"))]
+    loads = [s["engine_load_seconds"] for s in extract if s.get("engine_loaded_here")]
     return {"conversations": conversations, "packed": counts["packed"], "tokens": tokens, "seconds": seconds,
-            "tokens_per_second": tokens / seconds, "rule_seconds": rules, "cores": cores}
+            "tokens_per_second": tokens / seconds, "rule_seconds": rules, "cores": cores,
+            "shards": len(extract), "engine_loads": len(loads), "engine_load_seconds": sum(loads)}
