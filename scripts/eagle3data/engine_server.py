@@ -133,7 +133,8 @@ class Server:
 
     def close(self) -> None:
         Path(self.entry.path).unlink(missing_ok=True)
-        self.listener.close()
+        self.listener.close()  # removes the socket file
+        Path(self.entry.busy).unlink(missing_ok=True)  # a job that opens it anew finds no server: harmless
         del self.llm  # vLLM shuts its engine core and workers down
         logger.info("engine %s stopped after %d shards", self.entry.id, self.shards)
 
@@ -148,6 +149,7 @@ def read_log_since(path: Path, offset: int) -> str:
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    Path(spec_path).unlink()
     redirect_output_to(spec["entry"]["log"])
     server = Server(spec)
     server.start()
