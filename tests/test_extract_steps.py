@@ -163,6 +163,8 @@ def test_extract_stats_say_where_the_time_went(demo_run):
     assert len(loaded) == 1 and loaded[0]["engine_start_seconds"] >= loaded[0]["engine_load_seconds"] > 0
     assert sorted(s["engine_shards_served"] for s in every) == [1, 2, 3]
     assert loaded[0]["engine_shards_served"] == 1
+    logs = [p.read_text() for p in sorted((demo_run / RUN / "logs" / "extract").glob("*.log"))]
+    assert sum(log.count("starting engine ") for log in logs) == 1  # the engine starts once, by the logs
     for stats in every:
         assert stats["engine_load_seconds"] == loaded[0]["engine_load_seconds"]
         if not stats["engine_loaded_here"]:

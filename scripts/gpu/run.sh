@@ -9,6 +9,8 @@
 #   bash scripts/gpu/run.sh batches    the same 256 prompts extracted in batches of 256 and of 24, with and
 #                                      without VLLM_BATCH_INVARIANT=1: same bits? (docs/rerun.md)
 #   bash scripts/gpu/run.sh regenerate the regenerate stage against bare generate() (8B shape, dummy weights)
+#   bash scripts/gpu/run.sh load       figure 9: engine start against reading the checkpoint (8B shape,
+#                                      random values written as 16 GB of safetensors), three runs
 #   bash scripts/gpu/run.sh kimi bench several steps in one call
 # Needs the wheels in /tmp/wheels (scripts/gpu/collect.sh); results and logs go to $OUT.
 source "$(dirname "$0")/env.sh"
@@ -82,6 +84,16 @@ case "$what" in
       --runs 3 --engine load_format=dummy max_num_seqs=256 max_num_batched_tokens=16384 \
       --out "$OUT/regenerate-llama8b.json" > /tmp/regen.log 2>&1
     echo "regenerate bench: exit $?"; grep "regenerate / bare" /tmp/regen.log; cp /tmp/regen.log "$OUT/log-regenerate.txt"
+    ;;
+  load)  # issue 16: engine start (auto loader) - the dummy loader's start, over the cold read of the weights
+    step "write a random 8B checkpoint"
+    python3 -m eagle3data.shapes llama-8b /tmp/llama-8b-weights --tokenizer-from resources/demo-tokenizer
+    timeout 200 python3 -m eagle3data.bench.load --write-checkpoint llama-8b /tmp/llama-8b-weights
+    du -sh /tmp/llama-8b-weights
+    step "figure 9, three runs"
+    timeout 330 python3 -m eagle3data.bench.load --model /tmp/llama-8b-weights --runs 3 \
+      --json "$OUT/load-llama8b.json" > /tmp/load.log 2>&1
+    echo "load bench: exit $?"; grep "^figure 9" /tmp/load.log; cp /tmp/load.log "$OUT/log-load.txt"
     ;;
   figures)  # issue 8's figures 1 and 7 through the benchmark command: 8B Llama shape (dummy weights), TP1
     step figures 1,7

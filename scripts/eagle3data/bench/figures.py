@@ -30,7 +30,7 @@ from eagle3data.bench.crosscheck import parse_capture_arg, parse_engine_args
 DEMO_MODEL = "resources/demo-model"
 DEMO_CAPTURES = "2:input,4:input,5:input,7:output"
 NAMES = {"1": "extract", "7": "end_to_end", "2": "validate", "3": "pack", "3m": "pack_memory",
-         "4": "tokenize", "5": "planning", "6": "storage"}  # the issue's order; 3m is pack's memory
+         "4": "tokenize", "5": "planning", "6": "storage", "9": "load"}  # the issues' order; 3m is pack's memory
 ORDER = tuple(NAMES)
 
 
@@ -43,11 +43,12 @@ class Scale:
     extract_prompts: int
     extract_tokens: int
     e2e_conversations: int
+    load_runs: int
 
 
 SCALES = {
-    "quick": Scale(1_000_000, 1_000, 4, 2, 16, 256, 64),
-    "full": Scale(1_000_000, 5_000, 16, 3, 64, 512, 512),
+    "quick": Scale(1_000_000, 1_000, 4, 2, 16, 256, 64, 1),
+    "full": Scale(1_000_000, 5_000, 16, 3, 64, 512, 512, 3),
 }
 
 
@@ -162,12 +163,21 @@ def planning_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[di
                       f"{r['seconds']:.1f} s (23 conversations: {r['seconds_for_23']:.1f} s)")]
 
 
+def load_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
+    """Figure 9: (engine start - a dummy-weight start) / the cold read of the weights (bench.load)."""
+    from eagle3data.bench.load import describe, measure
+
+    r = measure(args.model, scale.load_runs)
+    return r, [judged("9", "load", r["ratios"][0], "<= 1.5", describe(r))]
+
+
 GROUPS = {  # name: (figures it yields, function(args, scale, work, measured so far)), in order
     "planning": (("5",), planning_figures),
     "tokenize": (("4",), tokenize_figures),
     "io": (("2", "3", "3m", "6"), io_figures),
     "extract": (("1",), extract_figures),
     "end_to_end": (("7",), end_to_end_figures),
+    "load": (("9",), load_figures),
 }
 
 
@@ -175,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes: a few minutes on 2 cores")
     parser.add_argument("--figures", default=",".join(ORDER), help="subset, e.g. 1,7 (3m: pack memory)")
-    parser.add_argument("--model", default=DEMO_MODEL, help="for 1, 4, 7; the demo model is built if missing")
+    parser.add_argument("--model", default=DEMO_MODEL, help="for 1, 4, 7, 9; the demo model is built if missing")
     parser.add_argument("--captures", default=DEMO_CAPTURES, help="for 1 and 7")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="for 1 and 7")
     parser.add_argument("--engine", nargs="*", default=[], help="engine settings KEY=VALUE, for 1 and 7")
