@@ -112,14 +112,11 @@ def describe(result: dict) -> str:
             f"load_format {result['load_format']}{cache}")
 
 
-def write_checkpoint(shape: str, out: Path) -> None:
-    """A full-size shape with random bf16 values as real safetensors files (for the GPU's disk)."""
+def write_checkpoint(config, out: Path) -> None:
+    """A model of `config`'s shape with random bf16 values as real safetensors files (for the GPU's disk)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3data import shapes
-
-    config = {"llama-8b": shapes.llama_8b_config, "kimi-k2.5": shapes.kimi_k25_config}[shape]()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
     model.to_empty(device="cpu")
@@ -143,7 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.write_checkpoint:
-        write_checkpoint(args.write_checkpoint[0], Path(args.write_checkpoint[1]))
+        from eagle3data import shapes
+
+        shape = {"llama-8b": shapes.llama_8b_config, "kimi-k2.5": shapes.kimi_k25_config}[args.write_checkpoint[0]]
+        write_checkpoint(shape(), Path(args.write_checkpoint[1]))
         return
     if args.child:
         child(args)
