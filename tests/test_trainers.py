@@ -22,6 +22,7 @@ from conftest import demo_config, run_snakemake
 from safetensors.torch import load_file
 
 from eagle3data import open_dataset
+from eagle3data.store import sample_path
 from eagle3data.trainers import SPECULATORS, ExportRefused, layout
 
 pytestmark = pytest.mark.slow
@@ -77,6 +78,19 @@ def test_exports_are_rules_outside_the_default_target_until_enabled(demo_run, ex
         manifest = json.loads((run / RUN / "export" / name / "eagle3_export.json").read_text())
         assert (manifest["samples"], manifest["layer_ids"], manifest["aux_captures"]) == (
             20, ids, ["layer2_input", "layer4_input", "layer5_input"])
+
+
+def test_the_speculators_export_links_the_stores_files_instead_of_copying_them(exported):
+    """Its default slots are the dataset's own, so each hs_{i}.safetensors is the store's file of row i."""
+    run, _ = exported
+    ds = open_dataset(run / RUN / "dataset")
+    exported_files = run / RUN / "export" / "speculators" / "hidden_states"
+    stores = list((run / RUN / "states").iterdir())
+    assert len(stores) == 1
+    for i in range(len(ds)):
+        linked = exported_files / f"hs_{i}.safetensors"
+        stored = sample_path(stores[0], ds[i]["sample_id"])
+        assert linked.stat().st_ino == stored.stat().st_ino and linked.stat().st_nlink == 2, (linked, stored)
 
 
 def test_speculators_trains_on_its_export_on_cpu(exported, tmp_path):

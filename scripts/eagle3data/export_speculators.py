@@ -11,12 +11,20 @@ The layout its `ArrowDataset` reads from `--data-path D`:
 
 Rows keep the packed order (the trainer validates on the last 10 %). Memory is one packed row at a time
 plus the Arrow writer's batch. `python -m eagle3data.export_speculators DATASET OUT --token-freq F
---vocab-mapping M [--layer-ids 2 4 5]`.
+--vocab-mapping M [--layer-ids 2 4 5] [--store DIR]`.
+
+With the store given (the rule gives it) and the trainer's slots the dataset's own (every capture, in
+slot order: the default layer ids), a sample's `hs_{i}.safetensors` is a hard link to its file in the
+store, which has exactly these two tensors: the export then costs no state bytes on disk. A store file
+is linked only when its tensors' names, shapes and dtypes are the ones written here, its token ids are
+the row's, and it is older than the packed dataset (store files are replaced, never changed in place, so
+it is the file pack read and checked); otherwise the file is written as a copy.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -24,12 +32,14 @@ from pathlib import Path
 import datasets
 import numpy as np
 from datasets.arrow_writer import ArrowWriter
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from eagle3data.dataset import open_dataset
 from eagle3data.exports import staging_dir, write_manifest
 from eagle3data.logs import get_logger
+from eagle3data.store import sample_path
 from eagle3data.trainers import SPECULATORS, ExportRefused, layout
 from eagle3data.vocab import read_mapping
 
@@ -44,12 +54,40 @@ FEATURES = datasets.Features(
 )
 
 
+def linkable(stored: Path, row: dict, packed_at: float) -> bool:
+    """The store file holds exactly what this export would write for `row` (module docstring)."""
+    try:
+        if stored.stat().st_mtime > packed_at:
+            return False
+        with safe_open(str(stored), framework="pt") as f:
+            if sorted(f.keys()) != ["hidden_states", "token_ids"]:
+                return False
+            states = f.get_slice("hidden_states")
+            ids = f.get_tensor("token_ids")
+    except (OSError, ValueError, RuntimeError):
+        return False
+    return (list(states.get_shape()) == list(row["hidden_states"].shape) and states.get_dtype() == "BF16"
+            and ids.dtype == row["input_ids"].dtype and bool((ids == row["input_ids"]).all()))
+
+
+def hard_link(stored: Path, target: Path) -> bool:
+    """Link `target` to `stored`; False where the filesystem cannot (another device, no links)."""
+    try:
+        os.link(stored, target)
+    except OSError:
+        return False
+    return True
+
+
 def export(dataset_path: str | Path, out: str | Path, token_freq: str | Path, vocab_mapping: str | Path,
-           layer_ids: list[int] | None = None) -> dict:
+           layer_ids: list[int] | None = None, store_dir: str | Path | None = None) -> dict:
     """Write the speculators layout of the packed dataset at `dataset_path` to `out`; return its manifest."""
     ds = open_dataset(dataset_path)
     lay = layout(SPECULATORS, ds.metadata, layer_ids)
     slots = [*lay.aux_slots, lay.final_slot]
+    own_slots = slots == list(range(len(ds.metadata["captures"])))
+    packed_at = Path(dataset_path, "eagle3_metadata.json").stat().st_mtime
+    linked = 0
     d2t, t2d = read_mapping(vocab_mapping)
     with staging_dir(out) as tmp:
         (tmp / "hidden_states").mkdir()
@@ -57,10 +95,13 @@ def export(dataset_path: str | Path, out: str | Path, token_freq: str | Path, vo
         columns.parent.mkdir()
         with ArrowWriter(features=FEATURES, path=str(columns)) as writer:
             for i, row in enumerate(tqdm(ds, total=len(ds), desc="export speculators", unit="sample")):
-                ids = row["input_ids"]
-                states = row["hidden_states"][:, slots, :].contiguous()  # a copy: this sample's bytes only
-                save_file({"hidden_states": states, "token_ids": ids},
-                          str(tmp / "hidden_states" / f"hs_{i}.safetensors"))
+                ids, target = row["input_ids"], tmp / "hidden_states" / f"hs_{i}.safetensors"
+                stored = sample_path(store_dir, row["sample_id"]) if store_dir and own_slots else None
+                if stored is not None and linkable(stored, row, packed_at) and hard_link(stored, target):
+                    linked += 1
+                else:
+                    states = row["hidden_states"][:, slots, :].contiguous()  # a copy: this sample's bytes only
+                    save_file({"hidden_states": states, "token_ids": ids}, str(target))
                 writer.write({"input_ids": ids.tolist(), "loss_mask": row["loss_mask"].tolist(),
                               "seq_len": len(ids)})
             writer.finalize()
@@ -70,8 +111,8 @@ def export(dataset_path: str | Path, out: str | Path, token_freq: str | Path, vo
         np.save(tmp / f"d2t-{d2t.numel()}.npy", d2t.numpy())
         np.save(tmp / f"t2d-{d2t.numel()}.npy", t2d.numpy())
         manifest = write_manifest(tmp, ds, lay, d2t.numel(), trainer_version="0.9.0")
-    logger.info("exported %d samples for speculators to %s (--target-layer-ids %s)", len(ds), out,
-                " ".join(map(str, lay.layer_ids)))
+    logger.info("exported %d samples for speculators to %s (--target-layer-ids %s); %d of them hard links to "
+                "the store's files, the rest copies", len(ds), out, " ".join(map(str, lay.layer_ids)), linked)
     return manifest
 
 
@@ -84,9 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layer-ids", type=int, nargs="+", default=None,
                         help="--target-layer-ids the draft will be trained with (vLLM aux ids); default: "
                              "every capture but the final state, in slot order")
+    parser.add_argument("--store", help="the run's store (results/<run>/states/<key>): link its files where "
+                                            "they hold exactly what would be written")
     args = parser.parse_args(argv)
     try:
-        export(args.dataset, args.out, args.token_freq, args.vocab_mapping, args.layer_ids)
+        export(args.dataset, args.out, args.token_freq, args.vocab_mapping, args.layer_ids, args.store)
     except ExportRefused as exc:
         sys.exit(str(exc))
 
