@@ -157,10 +157,15 @@ def verify_engine(llm, captures: list[Capture], dtype: str, world_size: int) -> 
 def check_prompt_fits(llm, longest_prompt: int) -> None:
     """Refuse work the scheduler would never schedule (it waits forever instead of failing)."""
     scheduler = llm.llm_engine.vllm_config.scheduler_config
-    if not scheduler.enable_chunked_prefill and longest_prompt > scheduler.max_num_batched_tokens:
+    check_schedulable(scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens, longest_prompt)
+
+
+def check_schedulable(chunked_prefill: bool, max_num_batched_tokens: int, longest_prompt: int) -> None:
+    """An engine without chunked prefill never schedules a prompt over its batched-token budget."""
+    if not chunked_prefill and longest_prompt > max_num_batched_tokens:
         raise EngineError(
             f"chunked prefill is off in this engine (vLLM turns it off for MLA models on CPU), so a "
             f"{longest_prompt}-token prompt can never be scheduled with max_num_batched_tokens="
-            f"{scheduler.max_num_batched_tokens}: vLLM would wait forever. Set "
+            f"{max_num_batched_tokens}: vLLM would wait forever. Set "
             f"engine.max_num_batched_tokens >= sequence.max_seq_len."
         )

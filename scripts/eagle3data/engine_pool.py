@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from eagle3data import jobinfo
-from eagle3data.engine import EngineError
+from eagle3data.engine import EngineError, check_schedulable
 from eagle3data.logs import get_logger
 from eagle3data.store import atomic_write_text
 from eagle3data.testing import KILL_ENGINE_ENV
@@ -117,14 +117,8 @@ class RemoteEngine:
         return reply[1]
 
     def check_prompt_fits(self, longest_prompt: int) -> None:
-        """Refuse work the scheduler would never schedule (it waits forever instead of failing)."""
-        if not self.entry.chunked_prefill and longest_prompt > self.entry.max_num_batched_tokens:
-            raise EngineError(
-                f"chunked prefill is off in this engine (vLLM turns it off for MLA models on CPU), so a "
-                f"{longest_prompt}-token prompt can never be scheduled with max_num_batched_tokens="
-                f"{self.entry.max_num_batched_tokens}: vLLM would wait forever. Set "
-                f"engine.max_num_batched_tokens >= sequence.max_seq_len."
-            )
+        """Refuse work the engine's scheduler would never schedule (engine.check_schedulable)."""
+        check_schedulable(bool(self.entry.chunked_prefill), self.entry.max_num_batched_tokens, longest_prompt)
 
     def _request(self, message: tuple, samples: int) -> tuple:
         try:

@@ -7,7 +7,8 @@ counts `gpu` resources (`--resources gpu=8`) and sets no CUDA_VISIBLE_DEVICES, s
 every GPU and all engines would start on the first one. `start_job` therefore claims the job's GPUs
 among those visible, with one lock file per GPU held until the process exits, and narrows
 CUDA_VISIBLE_DEVICES to them. Locks are scoped to the node and the SLURM allocation (or "local"); a job
-that sees exactly its GPUs takes no lock.
+that sees exactly its GPUs takes no lock. An extract job claims nothing itself: the engine server it
+starts (engine_pool.py) gets the claimed GPUs' locks and holds them for as long as it lives.
 """
 
 from __future__ import annotations
