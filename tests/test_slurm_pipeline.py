@@ -130,7 +130,7 @@ def slurm_runs(tmp_path_factory) -> SlurmRuns:
 
 
 @pytest.fixture(scope="module")
-def grouped_run(tmp_path_factory) -> tuple[Path, str]:
+def grouped_run(tmp_path_factory, tiny_deepseek) -> tuple[Path, str]:
     """The demo's extraction through the profile as it is by default: its three extract jobs (shards) in
     one SLURM job. Only as far as extract: the other fixture checks what the rest of the chain makes."""
     reason = unavailable_reason()
@@ -139,19 +139,22 @@ def grouped_run(tmp_path_factory) -> tuple[Path, str]:
     workdir = tmp_path_factory.mktemp("slurm-grouped")
     with site_settings(**{SHARDS_PER_JOB: None}), local_slurm(tmp_path_factory.mktemp("cluster")):
         extracted = [f"{RUN}/extract/shard-{i:05d}.parquet" for i in range(3)]
-        proc = run_snakemake(workdir, *PROFILE, *extracted, config=demo_config(engine={"cpu_job_gpus": GPUS}))
+        config = demo_config(engine={"cpu_job_gpus": GPUS}, model={"path": str(tiny_deepseek), "build_demo": False})
+        proc = run_snakemake(workdir, *PROFILE, *extracted, config=config)
     return workdir, proc.stdout + proc.stderr
 
 
-def test_one_engine_per_allocation(slurm_runs, grouped_run):
-    """By default an allocation runs several extract jobs, and one engine, loaded once, serves them all;
-    with one shard per SLURM job each allocation loads its own."""
+def test_one_engine_per_allocation_by_default(grouped_run):
+    """By default an allocation runs several extract jobs, and one engine, loaded once, serves them all."""
     workdir, log = grouped_run
     every = [json.loads(p.read_text()) for p in sorted((workdir / RUN / "extract").glob("*.stats.json"))]
     jobs = {JOB_LINE.findall(p.read_text())[-1][1] for p in (workdir / RUN / "logs" / "extract").glob("*.log")}
     assert len(every) == 3 and len(jobs) == 1, log[-4000:]
     assert len({s["engine_id"] for s in every}) == 1 and sum(s["engine_loaded_here"] for s in every) == 1
     assert sorted(s["engine_shards_served"] for s in every) == [1, 2, 3]
+
+
+def test_one_engine_per_allocation_with_a_shard_per_job(slurm_runs):
     per_shard = [json.loads(text) for text, _ in slurm_runs.stats_after_first.values()]
     assert per_shard and all(s["engine_loaded_here"] for s in per_shard)
     assert len({s["engine_id"] for s in per_shard}) == len(per_shard)
