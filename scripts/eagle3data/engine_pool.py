@@ -13,7 +13,6 @@ removed from the registry.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from eagle3data import jobinfo
+from eagle3data.jobinfo import try_lock
 from eagle3data.engine import EngineError, check_schedulable
 from eagle3data.logs import get_logger
 from eagle3data.store import atomic_write_text
@@ -65,7 +65,7 @@ class ServerEntry:
 
 
 def registry() -> Path:
-    path = jobinfo.LOCK_ROOT.parent / "eagle3data-engines" / jobinfo.node_scope()
+    path = jobinfo.ENGINE_ROOT / jobinfo.node_scope()
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
 
@@ -74,17 +74,6 @@ def engine_key(kwargs: dict, cpu_kv_cache_gib: int) -> str:
     """What makes two engines interchangeable: every `vllm.LLM` argument and the CPU KV cache size."""
     text = json.dumps({"kwargs": kwargs, "cpu_kv_cache_gib": cpu_kv_cache_gib}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def try_lock(path: Path) -> BinaryIO | None:
-    """An exclusive lock on `path`, held as long as the returned file stays open; None if taken."""
-    handle = open(path, "ab")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        return None
-    return handle
 
 
 def entries() -> list[ServerEntry]:

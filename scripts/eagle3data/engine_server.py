@@ -21,11 +21,13 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import asdict
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 from eagle3data import engine as engine_mod
-from eagle3data.engine_pool import LOG_REPLY_BYTES, ServerEntry, try_lock
+from eagle3data.engine_pool import LOG_REPLY_BYTES, ServerEntry
+from eagle3data.jobinfo import try_lock
 from eagle3data.layers import Capture
 from eagle3data.logs import get_logger, redirect_output_to
 from eagle3data.store import atomic_write_text
@@ -58,7 +60,7 @@ class Server:
         self.entry.start_seconds = time.perf_counter() - began
         self.listener = Listener(self.entry.socket, family="AF_UNIX", authkey=bytes.fromhex(self.entry.authkey))
         # The entry file says "ready": clients look for it (engine_pool.acquire), the starter waits for it.
-        atomic_write_text(self.entry.path, json.dumps(self.entry.__dict__))
+        atomic_write_text(self.entry.path, json.dumps(asdict(self.entry)))
         logger.info("engine %s ready on %s in %.1f s; idle after %s s it stops", self.entry.id,
                     self.entry.node, self.entry.start_seconds, self.spec["keep_alive_s"])
 

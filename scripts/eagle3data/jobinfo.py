@@ -28,6 +28,7 @@ logger = get_logger(__name__)
 
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the driver shows this process
 LOCK_ROOT = Path(tempfile.gettempdir()) / "eagle3data-gpu-locks"
+ENGINE_ROOT = Path(tempfile.gettempdir()) / "eagle3data-engines"  # engine_pool.py's registries
 POLL_S = 1.0  # how often a waiting job tries again
 _held: dict[str, BinaryIO] = {}  # this process's claimed GPUs (the locks live as long as the files)
 
@@ -83,6 +84,17 @@ def visible_gpus(slurm_job: str | None) -> list[str]:
     return [str(i) for i in range(len(found))]
 
 
+def try_lock(path: Path) -> BinaryIO | None:
+    """An exclusive lock on `path`, held as long as the returned file stays open; None if taken."""
+    handle = open(path, "ab")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
 def claim_gpus(n: int, visible: list[str], scope: Path) -> dict[str, BinaryIO]:
     """Lock `n` of `visible` under `scope`, waiting while other jobs hold them; GPU -> open lock file."""
     if n > len(visible):
@@ -92,11 +104,8 @@ def claim_gpus(n: int, visible: list[str], scope: Path) -> dict[str, BinaryIO]:
     while True:
         held: dict[str, BinaryIO] = {}
         for gpu in visible:
-            lock = open(scope / re.sub(r"[^A-Za-z0-9_.-]", "_", f"gpu-{gpu}"), "ab")
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                lock.close()
+            lock = try_lock(scope / re.sub(r"[^A-Za-z0-9_.-]", "_", f"gpu-{gpu}"))
+            if lock is None:
                 continue
             held[gpu] = lock
             if len(held) == n:
