@@ -6,12 +6,15 @@ from snakemake.utils import min_version, validate
 
 min_version("9.0")
 
+from eagle3data.checkpoint import check_loader_config, sharded_dir
 from eagle3data.conversations import count_conversations
 
 validate(config, workflow.source_path("../config/schema.yaml"))
+check_loader_config(config["engine"])
 
 RUN = config["run"]
 RUN_DIR = f"results/{RUN}"
+SHARDED_CHECKPOINT = sharded_dir(config["model"]["path"], config["engine"])
 N_CONVERSATIONS = count_conversations(config["input"])
 N_SHARDS = max(1, math.ceil(N_CONVERSATIONS / config["shard_size"]))
 SHARDS = [f"{i:05d}" for i in range(N_SHARDS)]
@@ -22,6 +25,15 @@ GPUS_PER_EXTRACT = (
     else config["engine"]["cpu_job_gpus"]
 )
 
+
+# Host memory of one extract job on attempt 1, MB (an estimate: a base plus a share per engine GPU).
+# It grows with each retry (mem_mb x attempt; --retries), so a job killed for memory comes back with
+# more, and reuses the samples it finished. profiles/slurm sets its own (EAGLE3_SLURM_EXTRACT_MEM_MB).
+EXTRACT_MEM_MB = (
+    4000 + 16000 * config["engine"]["tensor_parallel_size"]
+    if config["engine"]["device"] == "cuda"
+    else 4000
+)
 
 # `gpu` counts the GPUs of one node: it caps a local run (--resources gpu=8, profiles/default), never a
 # cluster run as a whole (SLURM hands out the GPUs of all its nodes; the cap would serialise them).
@@ -35,11 +47,19 @@ def shard_rows(wildcards):
     return start, min(start + config["shard_size"], N_CONVERSATIONS)
 
 
-def model_input(wildcards):
+def model_source(wildcards):
     """A model built by a rule (the demo model, a GGUF conversion) is a DAG input; a checkpoint given by
     model.path alone is read in place (not a DAG input, so dry runs plan without it)."""
     model = config["model"]
-    return model["path"] if model["build_demo"] or model["from_gguf"] else []
+    return [model["path"]] if model["build_demo"] or model["from_gguf"] else []
+
+
+def model_input(wildcards):
+    """What an engine job loads: the model, or under load_format sharded_state the per-rank checkpoint
+    that rule sharded_checkpoint writes from it."""
+    if config["engine"]["load_format"] == "sharded_state":
+        return [SHARDED_CHECKPOINT]
+    return model_source(wildcards)
 
 
 def quarantine_records(wildcards):

@@ -1,16 +1,6 @@
 # Run the target model (vLLM) over a shard and store each sample's hidden states; reuses finished ones.
 from eagle3data import engine_pool, failed_samples
 
-# Host memory of one extract job on attempt 1, MB (an estimate: a base plus a share per engine GPU).
-# It grows with each retry (mem_mb x attempt; --retries), so a job killed for memory comes back with
-# more, and reuses the samples it finished. profiles/slurm sets its own (EAGLE3_SLURM_EXTRACT_MEM_MB).
-EXTRACT_MEM_MB = (
-    4000 + 16000 * config["engine"]["tensor_parallel_size"]
-    if config["engine"]["device"] == "cuda"
-    else 4000
-)
-
-
 rule extract:
     input:
         tokenized=rules.tokenize.output.tokenized,

