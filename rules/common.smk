@@ -35,6 +35,7 @@ EXTRACT_MEM_MB = (
     else 4000
 )
 
+
 # `gpu` counts the GPUs of one node: it caps a local run (--resources gpu=8, profiles/default), never a
 # cluster run as a whole (SLURM hands out the GPUs of all its nodes; the cap would serialise them).
 resource_scopes:

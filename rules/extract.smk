@@ -1,6 +1,7 @@
 # Run the target model (vLLM) over a shard and store each sample's hidden states; reuses finished ones.
 from eagle3data import engine_pool, failed_samples
 
+
 rule extract:
     input:
         tokenized=rules.tokenize.output.tokenized,

