@@ -37,3 +37,12 @@ def test_quick_benchmark_prints_and_writes_every_figure(tmp_path):
     # Figure 7's run has several shards and one engine load: the node's engine serves them all.
     end_to_end = report["measurements"]["end_to_end"]
     assert end_to_end["shards"] > 1 and end_to_end["engine_loads"] == 1, end_to_end
+    # Figures 10 and 11 count each byte of the run once: the store's files linked into the speculators
+    # export add nothing; the peak is at least what is left.
+    disk = end_to_end["footprint"]
+    assert disk["peak_bytes"] >= disk["run_bytes"] >= disk["dataset_bytes"] + disk["store_bytes"] > 0, disk
+    values = {f["figure"]: f["value"] for f in report["figures"]}
+    assert values["10"] == disk["peak_bytes"] / disk["dataset_bytes"]
+    assert values["11"] == disk["run_bytes"] / disk["dataset_bytes"]
+    # Figure 9 measured vLLM's default loader and the threaded one (sharded_state needs a GPU).
+    assert set(report["measurements"]["load"]["loaders"]) == {"auto", f"threads={os.cpu_count()}"}

@@ -30,7 +30,8 @@ from eagle3data.bench.crosscheck import parse_capture_arg, parse_engine_args
 DEMO_MODEL = "resources/demo-model"
 DEMO_CAPTURES = "2:input,4:input,5:input,7:output"
 NAMES = {"1": "extract", "7": "end_to_end", "2": "validate", "3": "pack", "3m": "pack_memory",
-         "4": "tokenize", "5": "planning", "6": "storage", "9": "load"}  # the issues' order; 3m is pack's memory
+         "4": "tokenize", "5": "planning", "6": "storage", "9": "load", "10": "footprint_peak",
+         "11": "footprint_after"}  # the issues' order; 3m is pack's memory
 ORDER = tuple(NAMES)
 
 
@@ -111,12 +112,23 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
     engine = {"device": args.device, **parse_engine_args(args.engine)}
     result = measure_end_to_end(work / "e2e", args.model, scale.e2e_conversations, engine,
                                 parse_capture_arg(args.captures), os.cpu_count())
-    return result, [Figure("7", "end_to_end", result["tokens_per_second"] / bare_tps, "", None,
-                           f"{result['tokens']} tokens of {result['conversations']} conversations in "
-                           f"{result['shards']} shards in {result['seconds']:.1f} s = "
-                           f"{result['tokens_per_second']:.0f} tok/s / bare prefill {bare_tps:.0f} tok/s "
-                           f"(engine start included: {result['engine_loads']} load(s) for the run, "
-                           f"{result['engine_load_seconds']:.1f} s)")]
+    disk = result["footprint"]
+    gb = {k: f"{v / 1e9:.3f} GB" for k, v in disk.items()}
+    where = (f"dataset {gb['dataset_bytes']}, per-sample store {gb['store_bytes']}, exports' own bytes "
+             f"{gb['exports_own_bytes']} (speculators: hard links to the store)")
+    return result, [
+        Figure("7", "end_to_end", result["tokens_per_second"] / bare_tps, "", None,
+               f"{result['tokens']} tokens of {result['conversations']} conversations in "
+               f"{result['shards']} shards in {result['seconds']:.1f} s = "
+               f"{result['tokens_per_second']:.0f} tok/s / bare prefill {bare_tps:.0f} tok/s "
+               f"(engine start included: {result['engine_loads']} load(s) for the run, "
+               f"{result['engine_load_seconds']:.1f} s)"),
+        judged("10", "footprint_peak", disk["peak_bytes"] / disk["dataset_bytes"], "<= 1.5",
+               f"the run's largest disk use {gb['peak_bytes']} (sampled each second) / the dataset's "
+               f"{gb['dataset_bytes']}"),
+        judged("11", "footprint_after", disk["run_bytes"] / disk["dataset_bytes"], "<= 1.1",
+               f"the run directory after the run and both exports {gb['run_bytes']} / the dataset: {where}"),
+    ]
 
 
 def io_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
@@ -177,7 +189,7 @@ GROUPS = {  # name: (figures it yields, function(args, scale, work, measured so 
     "tokenize": (("4",), tokenize_figures),
     "io": (("2", "3", "3m", "6"), io_figures),
     "extract": (("1",), extract_figures),
-    "end_to_end": (("7",), end_to_end_figures),
+    "end_to_end": (("7", "10", "11"), end_to_end_figures),
     "load": (("9",), load_figures),
 }
 
@@ -212,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
               "python": platform.python_version(), "scale": asdict(scale), "args": vars(args),
               "measurements": {}, "errors": {}}
     figures: list[Figure] = []
-    needed = wanted | ({"1"} if "7" in wanted else set())
+    needed = wanted | ({"1"} if wanted & {"7", "10", "11"} else set())
     for group, (yields, measure) in GROUPS.items():
         if not needed & set(yields):
             continue

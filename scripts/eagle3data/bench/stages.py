@@ -1,4 +1,5 @@
-"""Benchmark figures 4, 5 and 7: tokenize, planning, and a whole run, on synthetic conversations.
+"""Benchmark figures 4, 5, 7, 10 and 11: tokenize, planning, a whole run and its disk footprint, on
+synthetic conversations.
 
 Conversations are the demo's (data/demo/conversations.jsonl: ShareGPT and OpenAI forms, long ones that
 truncate, ones without an assistant turn), repeated with a numbered variant of the first turn so that
@@ -8,8 +9,10 @@ every one is distinct. Planning uses short synthetic conversations: only their c
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -99,6 +102,50 @@ def measure_planning(work: Path, conversations: int) -> dict:
             "seconds_for_23": small}
 
 
+def disk_bytes(*roots: Path) -> int:
+    """Bytes on disk under `roots` (allocated blocks), each file once however many hard links it has."""
+    seen, total = set(), 0
+    for root in roots:
+        for directory, _, names in os.walk(root):
+            for name in names:
+                try:
+                    st = os.lstat(os.path.join(directory, name))
+                except FileNotFoundError:  # renamed or removed while walking
+                    continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+    return total
+
+
+class PeakBytes(threading.Thread):
+    """The largest `disk_bytes(root)` seen while it runs, sampled every `interval` seconds."""
+
+    def __init__(self, root: Path, interval: float = 1.0):
+        super().__init__(daemon=True)
+        self.root, self.interval, self.peak = root, interval, 0
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, disk_bytes(self.root))
+            self._done.wait(self.interval)
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join()
+        self.peak = max(self.peak, disk_bytes(self.root))
+        return self.peak
+
+
+def footprint(run: Path) -> dict:
+    """Where a run's bytes are, each counted once (a hard link is free): the dataset, the per-sample
+    store, the trainer exports beyond what they share with the store, everything else."""
+    dataset, store = disk_bytes(run / "dataset"), disk_bytes(run / "states")
+    return {"dataset_bytes": dataset, "store_bytes": store,
+            "exports_own_bytes": disk_bytes(run / "states", run / "export") - store, "run_bytes": disk_bytes(run)}
+
+
 def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict, captures: list[dict],
                        cores: int, shards: int = 2) -> dict:
     """One whole run (tokenize, extract, validate, pack, report) of demo-like conversations in `shards`
@@ -115,8 +162,14 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
                            num_hidden_layers=info.num_hidden_layers)
     config["engine"].update(engine)
     (work / "config.yaml").write_text(yaml.safe_dump(config))
-    seconds, _ = snakemake(work, work / "config.yaml", "--cores", str(cores))
     run = work / "results" / "bench-e2e"
+    peak = PeakBytes(run)
+    peak.start()
+    seconds, _ = snakemake(work, work / "config.yaml", "--cores", str(cores))
+    # The footprint of a run with the trainer exports (not timed: figure 7 ends at the packed dataset).
+    snakemake(work, work / "config.yaml", "--cores", str(cores), "export_speculators", "export_specforge")
+    peak_bytes = peak.stop()
+    disk = footprint(run)
     tokens = int(pc.sum(datasets.load_from_disk(str(run / "dataset")).data.table["seq_len"]).as_py())
     counts = json.loads((run / "dataset.counts.json").read_text())
     rules = {}
@@ -126,4 +179,5 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     loads = [s["engine_load_seconds"] for s in extract if s.get("engine_loaded_here")]
     return {"conversations": conversations, "packed": counts["packed"], "tokens": tokens, "seconds": seconds,
             "tokens_per_second": tokens / seconds, "rule_seconds": rules, "cores": cores,
-            "shards": len(extract), "engine_loads": len(loads), "engine_load_seconds": sum(loads)}
+            "shards": len(extract), "engine_loads": len(loads), "engine_load_seconds": sum(loads),
+            "footprint": {**disk, "peak_bytes": peak_bytes}}
