@@ -1,9 +1,48 @@
-# Pack all validated shards into one Hugging Face Arrow dataset; counts reconciled, quarantined included.
+# Pack each validated shard into an Arrow file while later shards are extracted; then the dataset as an
+# index over them (hard links, counts reconciled, quarantined included): seconds after the last shard.
+
+
+def earlier_shards(output):
+    """The tokenized or quarantined tables of the shards before this one (what they pack is not
+    packed again: a duplicate conversation is recorded once, where it first appears)."""
+
+    def paths(wildcards):
+        return [output.format(shard=s) for s in SHARDS[: SHARDS.index(wildcards.shard)]]
+
+    return paths
+
+
+rule pack_shard:
+    input:
+        tokenized=rules.tokenize.output.tokenized,
+        skipped=rules.tokenize.output.skipped,
+        states=rules.validate.output.states,
+        quarantined=rules.validate.output.quarantined,
+        earlier_tokenized=earlier_shards(rules.tokenize.output.tokenized),
+        earlier_quarantined=earlier_shards(rules.validate.output.quarantined),
+    output:
+        arrow=f"{RUN_DIR}/packed/shard-{{shard}}.arrow",
+        summary=f"{RUN_DIR}/packed/shard-{{shard}}.json",
+    log:
+        f"{RUN_DIR}/logs/pack/shard-{{shard}}.log",
+    benchmark:
+        f"{RUN_DIR}/benchmarks/pack/shard-{{shard}}.tsv"
+    conda:
+        "../envs/eagle3data.yaml"
+    params:
+        dataset=f"{RUN_DIR}/dataset",
+        counts=f"{RUN_DIR}/dataset.counts.json",
+    message:
+        "Packing shard {wildcards.shard} into {output.arrow}"
+    script:
+        "../scripts/pack_shard.py"
+
+
 rule pack:
     input:
-        tokenized=expand(rules.tokenize.output.tokenized, shard=SHARDS),
+        arrows=expand(rules.pack_shard.output.arrow, shard=SHARDS),
+        summaries=expand(rules.pack_shard.output.summary, shard=SHARDS),
         skipped=expand(rules.tokenize.output.skipped, shard=SHARDS),
-        states=expand(rules.validate.output.states, shard=SHARDS),
         quarantined=expand(rules.validate.output.quarantined, shard=SHARDS),
     output:
         dataset=directory(f"{RUN_DIR}/dataset"),
@@ -17,6 +56,6 @@ rule pack:
     params:
         conversations_in=N_CONVERSATIONS,
     message:
-        "Packing {N_SHARDS} shards into {output.dataset}"
+        "Indexing {N_SHARDS} packed shards as {output.dataset}"
     script:
         "../scripts/pack.py"

@@ -202,9 +202,9 @@ def test_13_a_file_changed_after_validation_is_refused_by_pack(demo_copy):
     states = sample.states()["hidden_states"].clone()
     states[3, 1, 4] = float("nan")
     sample.with_states(states)
-    proc = run_snakemake(demo_copy, "--forcerun", "pack", *ONLY_MTIME, check=False)
+    proc = run_snakemake(demo_copy, "--forcerun", "pack_shard", *ONLY_MTIME, check=False)
     assert proc.returncode != 0 and "Error in rule pack" in proc.stdout + proc.stderr
-    log = (demo_copy / RUN / "logs/pack.log").read_text()
+    log = (demo_copy / RUN / "logs/pack/shard-00002.log").read_text()  # the shard's pack job
     line = failure_line(log, sample.sample_id, "checksums == validated checksums")
     assert "| expected [" in line and "| found [" in line and "The file changed after validate" in log
     assert not (demo_copy / RUN / "dataset").exists() and sample.sample_id not in packed_ids(demo_copy)

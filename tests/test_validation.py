@@ -141,7 +141,7 @@ def test_pack_rechecks_the_validated_manifest(demo_copy):
                                      & (manifest["capture"] == "layer7_output")], inplace=True)
     proc = run_snakemake(demo_copy, *ONLY_MTIME, check=False)
     assert proc.returncode != 0 and "Error in rule pack" in proc.stdout + proc.stderr
-    log = (demo_copy / RUN / "logs/pack.log").read_text()
+    log = (demo_copy / RUN / "logs/pack/shard-00000.log").read_text()  # the shard's pack job
     assert re.search(r": 2 of 8 sample\(s\) failed", log), log[-3000:]
     line = failure_line(log, wrong_bytes.sample_id, "nbytes == rows * hidden_size * itemsize(dtype)")
     assert f"| found {wrong_bytes.num_tokens * 128 * 2 + 2} |" in line

@@ -1,19 +1,23 @@
-"""The `pack` stage: validated shards into one Hugging Face Arrow dataset, streamed shard by shard.
+"""The `pack` stage: each validated shard into one Arrow file as soon as it is validated, then the
+Hugging Face dataset as an index over them.
 
-Memory is bounded by one batch of samples: each shard becomes one `data-*.arrow` file written batch by
-batch with `datasets`' ArrowWriter, then the dataset's state and info files are written, and the whole
-directory is renamed into place, so a crash never leaves a dataset that looks complete. Before that,
-every boundary is checked again: each shard's tables against their contracts, each states file against
-the checksums validate recorded (a file changed since is refused), the counts (conversations in = packed
-+ skipped, quarantined samples included; a conversation that tokenize split into several samples adds
-each sample after its first to the samples in: `split_samples`), and the finished dataset as
-`check_dataset` sees it.
+Rule pack_shard streams a shard's states into `packed/shard-NNNNN.arrow` with `datasets`' ArrowWriter
+(memory: one batch of samples), while the engine extracts later shards; rule pack then only hard-links
+those files into the dataset directory, writes its state and info files and renames it into place, so
+the last step after extraction costs seconds, the dataset costs no bytes beside the packed files, and a
+crash never leaves a dataset that looks complete. Every boundary is checked again: each shard's tables
+against their contracts, each states file against the checksums validate recorded (a file changed since
+is refused), the counts (conversations in = packed + skipped, quarantined samples included; a
+conversation that tokenize split into several samples adds each sample after its first to the samples
+in: `split_samples`), and the finished dataset as `check_dataset` sees it. A conversation already packed
+by an earlier shard is recorded as a duplicate: each shard job reads the earlier shards' sample ids.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -56,6 +60,7 @@ class ReconciliationError(RuntimeError):
 
 @dataclass
 class PackJob:
+    """Every shard at once (the benchmarks and tests): each packed as pack_shard does, then indexed."""
     tokenized: list[str]
     skipped: list[str]
     states: list[str]
@@ -66,6 +71,35 @@ class PackJob:
     metadata: dict
     batch_size: int = 32
     storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
+
+
+@dataclass
+class ShardPackJob:
+    tokenized: str
+    skipped: str
+    states: str
+    quarantined: str
+    earlier_tokenized: list[str]  # the shards before this one: what they pack is not packed again
+    earlier_quarantined: list[str]
+    arrow: str
+    summary: str
+    metadata: dict
+    dataset: str = ""  # the dataset indexing the shards (with its counts file): outdated once a shard repacks
+    dataset_counts: str = ""
+    batch_size: int = 32
+    storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
+
+
+@dataclass
+class IndexJob:
+    arrows: list[str]
+    summaries: list[str]
+    skipped: list[str]
+    quarantined: list[str]
+    out_dir: str
+    counts_out: str
+    conversations_in: int
+    metadata: dict
 
 
 def _verified_states(sample_id: str, captures: pd.DataFrame, out: torch.Tensor) -> None:
@@ -145,26 +179,50 @@ def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, d
 
 
 def run(job: PackJob) -> dict:
+    check_room(job.states, job.out_dir, job.storage, "the packed dataset")  # before anything is written
+    work = Path(job.out_dir).with_name(f".{Path(job.out_dir).name}.shards")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    arrows, summaries = [], []
+    for i, paths in enumerate(zip(job.tokenized, job.skipped, job.states, job.quarantined)):
+        arrows.append(str(work / f"shard-{i:05d}.arrow"))
+        summaries.append(str(work / f"shard-{i:05d}.json"))
+        pack_shard(ShardPackJob(*paths, job.tokenized[:i], job.quarantined[:i], arrows[-1], summaries[-1],
+                                job.metadata, job.out_dir, job.counts_out, job.batch_size, job.storage))
+    counts = index(IndexJob(arrows, summaries, job.skipped, job.quarantined, job.out_dir, job.counts_out,
+                            job.conversations_in, job.metadata))
+    shutil.rmtree(work)
+    return counts
+
+
+def earlier_ids(tokenized: list[str], quarantined: list[str]) -> set[str]:
+    """The sample ids that earlier shards pack: their kept samples that validate did not quarantine (one
+    column each)."""
+    ids: set[str] = set()
+    for tok_path, q_path in zip(tokenized, quarantined, strict=True):
+        kept = set(pq.read_table(tok_path, columns=["sample_id"]).column(0).to_pylist())
+        ids |= kept - set(pq.read_table(q_path, columns=["sample_id"]).column(0).to_pylist())
+    return ids
+
+
+def pack_shard(job: ShardPackJob) -> dict:
+    """One validated shard into one Arrow file (written under a temporary name, renamed when finished)
+    and a summary of what it packed and what it recorded as duplicates."""
     meta = job.metadata
     features = fmt.features(len(meta["captures"]), meta["hidden_size"], meta["dtype"])
-    out = Path(job.out_dir)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    check_room(job)
-    tmp.mkdir(parents=True)
-    seen: set[str] = set()
-    dup_rows: list[dict] = []
-    skipped = [check(SkippedShard, pd.read_parquet(p), p) for p in job.skipped]
+    _remove_outdated(job.dataset, job.dataset_counts)
+    check_room([job.states], job.arrow, job.storage, "the packed shard")
+    began = time.perf_counter()
     manifest_contract = states_manifest_contract(meta["hidden_size"], meta["dtype"])
     captures_contract = sample_states_contract(tuple(c["name"] for c in meta["captures"]))
-    began, nbytes, packed, split = time.perf_counter(), 0, 0, 0
-    n = len(job.tokenized)
-    shards = list(zip(job.tokenized, job.states, job.quarantined))
-    for i, paths in enumerate(tqdm(shards, desc="pack", unit="shard")):
-        tokenized, manifest, quarantined = _checked_shard(*paths, manifest_contract, captures_contract)
-        split += _split_samples([tokenized, quarantined, skipped[i]])
-        skipped.append(quarantined)
-        writer = ArrowWriter(features=features, path=str(tmp / f"data-{i:05d}-of-{n:05d}.arrow"))
+    tokenized, manifest, quarantined = _checked_shard(job.tokenized, job.states, job.quarantined,
+                                                      manifest_contract, captures_contract)
+    skipped = check(SkippedShard, pd.read_parquet(job.skipped), job.skipped)
+    split = _split_samples([tokenized, quarantined, skipped])
+    seen, dup_rows = earlier_ids(job.earlier_tokenized, job.earlier_quarantined), []
+    packed, nbytes = 0, 0
+    with atomic_path(job.arrow) as tmp:
+        writer = ArrowWriter(features=features, path=str(tmp))
         # The next batch's files are read and verified in a thread while this batch is written.
         for columns, states in ahead(_shard_batches(tokenized, manifest, seen, dup_rows, job.batch_size, meta)):
             batch = _record_batch(columns, states, features)
@@ -174,28 +232,69 @@ def run(job: PackJob) -> dict:
             del columns, states, batch  # before the next is read: two batches in memory at most
         writer.finalize()
         writer.close()
-    counts = _reconcile(job.conversations_in, split, packed, skipped + [pd.DataFrame(dup_rows, columns=[
-        "sample_id", "source_row", "source_id", "reason"])])
-    meta = {**meta, "format_version": fmt.FORMAT_VERSION, "counts": counts}
+    summary = {"packed": packed, "split_samples": split, "pack_bytes": nbytes,
+               "pack_seconds": time.perf_counter() - began, "duplicates": dup_rows}
+    atomic_write_text(job.summary, json.dumps(summary, indent=2))
+    logger.info("packed %d samples (%.1f MB) of %s into %s", packed, nbytes / 1e6, job.tokenized, job.arrow)
+    return summary
+
+
+def index(job: IndexJob) -> dict:
+    """The dataset over the packed shards: their files hard-linked (no bytes copied; copied only where
+    the filesystem cannot link), the counts reconciled, state, info and card written, the whole checked,
+    then renamed into place."""
+    began = time.perf_counter()
+    out, n = Path(job.out_dir), len(job.arrows)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for i, arrow in enumerate(job.arrows):
+        _link_or_copy(Path(arrow), tmp / f"data-{i:05d}-of-{n:05d}.arrow")
+    summaries = [json.loads(Path(p).read_text()) for p in job.summaries]
+    skipped = [check(SkippedShard, pd.read_parquet(p), p) for p in [*job.skipped, *job.quarantined]]
+    duplicates = pd.DataFrame([d for s in summaries for d in s["duplicates"]],
+                              columns=["sample_id", "source_row", "source_id", "reason"])
+    counts = _reconcile(job.conversations_in, sum(s["split_samples"] for s in summaries),
+                        sum(s["packed"] for s in summaries), skipped + [duplicates])
+    meta = {**job.metadata, "format_version": fmt.FORMAT_VERSION, "counts": counts}
+    features = fmt.features(len(meta["captures"]), meta["hidden_size"], meta["dtype"])
     _write_dataset_files(tmp, n, features, meta)
     write_card(tmp, meta)
     check_dataset(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    seconds = time.perf_counter() - began
-    counts_doc = {**counts, "pack_seconds": seconds, "pack_bytes": nbytes}
+    nbytes = sum(s["pack_bytes"] for s in summaries)
+    counts_doc = {**counts, "pack_seconds": sum(s["pack_seconds"] for s in summaries), "pack_bytes": nbytes,
+                  "index_seconds": time.perf_counter() - began}
     atomic_write_text(job.counts_out, json.dumps(counts_doc, indent=2))
-    logger.info("packed %d samples (%.1f MB) into %s", packed, nbytes / 1e6, out)
+    logger.info("dataset %s: %d samples (%.1f MB) in %d packed shards", out, counts["packed"], nbytes / 1e6, n)
     return counts_doc
 
 
-def check_room(job: PackJob) -> None:
-    """The dataset holds a second copy of every validated state (an earlier dataset stays until the new
-    one is renamed into place): refuse to start hours of packing on a disk that cannot take it."""
-    states_bytes = sum(_validated_bytes(p) for p in job.states)
-    logger.info("pack: %.2f GiB of validated states to write into %s", states_bytes / 2**30, job.out_dir)
-    disk.check_free_space(job.out_dir, states_bytes, job.storage["reserve_gib"], job.storage["check_free_space"],
-                          what="the packed dataset")
+def _remove_outdated(dataset: str, counts: str) -> None:
+    """A dataset over shards of which one is packed anew no longer says what the run holds: removed
+    before the shard is packed, counts first (rule pack writes both again)."""
+    if counts and Path(counts).exists():
+        Path(counts).unlink()
+    if dataset and Path(dataset).exists():
+        logger.info("removing %s: it indexes the shard packed now as it was before", dataset)
+        shutil.rmtree(dataset)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError as exc:  # another filesystem, or one without hard links
+        logger.warning("cannot hard-link %s (%s): copying it", source, exc)
+        shutil.copy2(source, target)
+
+
+def check_room(states: list[str], out: str, storage: dict, what: str) -> None:
+    """The packed files hold a second copy of every validated state: refuse to start packing on a disk
+    that cannot take it."""
+    states_bytes = sum(_validated_bytes(p) for p in states)
+    logger.info("pack: %.2f GiB of validated states to write into %s", states_bytes / 2**30, out)
+    disk.check_free_space(out, states_bytes, storage["reserve_gib"], storage["check_free_space"], what=what)
 
 
 def _validated_bytes(manifest: str) -> int:

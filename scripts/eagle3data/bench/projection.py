@@ -2,7 +2,7 @@
 
 Why: on an 8-GPU Kimi-K2.5 node the GPUs are what costs, and whether they stay busy depends on terms
 that no benchmark measures together: engine starts (20-24 minutes each), one disk shared by extract,
-validate and pack, and pack's full copy after the last extract. This command combines rates measured
+validate and pack (each shard packed while later shards are extracted). This command combines rates measured
 elsewhere (docs/benchmarks.md, docs/measurements/*.json) into one estimate, says which term bounds the
 share (goal >= 0.85 at Kimi scale) and takes any rate given instead. Nothing here ran at Kimi scale.
 
@@ -23,13 +23,14 @@ The model (assumed, not measured, unless a rate says so):
   20-24 minutes (22), or checkpoint / read rate + a fixed cost; its checkpoint reads are listed as
   bytes but not charged to R beyond that.
 - One disk of R GB/s shared by every read and write at once. Extract writes every state byte while
-  validate reads the previous shard's: extraction takes max(tokens / extract rate, (written +
-  validated bytes) / R).
+  validate reads the previous shard's and pack reads and writes the one before (rule pack_shard):
+  extraction takes max(tokens / extract rate, (written + validated + packed bytes) / R).
 - On the critical path, GPUs idle: the first shard's tokenize (the first extract needs it; the other
   tokenize jobs run beside it or beside extraction), the engine starts, the last shard's validate
-  (its bytes / min(validate rate, R)), pack after it (reads and writes every state byte: max(bytes /
-  pack rate, 2 x bytes / R)) and each export (another copy, at pack's rate: not measured).
-- Enough CPU cores for tokenize and validate jobs of several shards to run side by side.
+  (its bytes / min(validate rate, R)), the last shard's pack after it (reads and writes its state bytes:
+  max(bytes / pack rate, 2 x bytes / R); the dataset is then an index of hard links, seconds) and each
+  export (another copy of every byte, at pack's rate: not measured).
+- Enough CPU cores for tokenize, validate and pack jobs of several shards to run side by side.
 Wall = the critical path; share = GPU-busy seconds / wall; the bound is the largest of the losses
 (wall = GPU-busy seconds + losses).
 """
@@ -97,7 +98,8 @@ def project(node: Node) -> dict:
 
     busy = tokens / node.prefill_tps
     extraction = busy / node.extract_over_bare
-    extraction_disk_bytes = states + states * (shards - 1) / shards  # written, and validated behind it
+    behind = states * (shards - 1) / shards  # the bytes of every shard but the last
+    extraction_disk_bytes = states + behind + 2 * behind  # written; validated and packed behind it
     extraction_phase = max(extraction, extraction_disk_bytes / disk)
     start_seconds = starts * node.engine_start_seconds
     first_tokenize = tokens / shards / node.tokenize_tps
@@ -108,8 +110,8 @@ def project(node: Node) -> dict:
         "tokenize": f"CPU: {node.tokenize_tps:,.0f} tok/s a job",
         "engine start": f"{starts} x {node.engine_start_seconds:,.0f} s, each reading the checkpoint",
         "extract": slower(extraction, f"GPU: {node.extract_over_bare:.3f} of bare prefill",
-                          extraction_disk_bytes / disk, f"{extraction_disk_bytes / 1e12:.2f} TB written and "
-                          "validated", node.disk_gbps),
+                          extraction_disk_bytes / disk, f"{extraction_disk_bytes / 1e12:.2f} TB written, "
+                          "validated and packed", node.disk_gbps),
         "validate": slower(states / (node.validate_gbps * 1e9), f"CPU: {node.validate_gbps:.2f} GB/s a job",
                            states / disk, "reads", node.disk_gbps),
         "pack": slower(states / (node.pack_gbps * 1e9), f"CPU: pack's {node.pack_gbps:.2f} GB/s",
@@ -121,7 +123,7 @@ def project(node: Node) -> dict:
         ("engine start", start_seconds, start_seconds, "no: GPUs idle", starts * node.checkpoint_gb * 1e9),
         ("extract", extraction_phase, extraction_phase, "is the GPU work", states),
         ("validate", validate, validate / shards, "yes, except the last shard's", states),
-        ("pack", pack, pack, "no: after the last validate", 2 * states),
+        ("pack", pack, pack / shards, "yes, except the last shard's", 2 * states),
         ("exports", node.exports * pack, node.exports * pack, "no: after pack", node.exports * 2 * states),
     ]
     losses = {  # wall = busy + these
@@ -130,7 +132,7 @@ def project(node: Node) -> dict:
         "extraction below bare prefill": (extraction - busy, f"{node.extract_over_bare:.3f} of bare prefill"),
         "disk during extraction": (extraction_phase - extraction, set_by["extract"]),
         "validate of the last shard": (validate / shards, set_by["validate"]),
-        "pack": (pack, set_by["pack"]),
+        "pack of the last shard": (pack / shards, set_by["pack"]),
         "exports": (node.exports * pack, set_by["exports"]),
     }
     wall = busy + sum(seconds for seconds, _ in losses.values())

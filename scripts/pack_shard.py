@@ -1,0 +1,24 @@
+"""Snakemake script for rule pack_shard: see eagle3data.pack.pack_shard."""
+
+from eagle3data.logs import redirect_output_to
+from eagle3data.pack import ShardPackJob, pack_shard
+from eagle3data.settings import Settings
+
+sm = snakemake  # noqa: F821
+redirect_output_to(sm.log[0])
+pack_shard(
+    ShardPackJob(
+        tokenized=sm.input.tokenized,
+        skipped=sm.input.skipped,
+        states=sm.input.states,
+        quarantined=sm.input.quarantined,
+        earlier_tokenized=list(sm.input.earlier_tokenized),
+        earlier_quarantined=list(sm.input.earlier_quarantined),
+        arrow=sm.output.arrow,
+        summary=sm.output.summary,
+        metadata=Settings(dict(sm.config)).dataset_metadata(),
+        dataset=sm.params.dataset,
+        dataset_counts=sm.params.counts,
+        storage=dict(sm.config["storage"]),
+    )
+)
