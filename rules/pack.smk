@@ -2,16 +2,6 @@
 # index over them (hard links, counts reconciled, quarantined included): seconds after the last shard.
 
 
-def earlier_shards(output):
-    """The tokenized or quarantined tables of the shards before this one (what they pack is not
-    packed again: a duplicate conversation is recorded once, where it first appears)."""
-
-    def paths(wildcards):
-        return [output.format(shard=s) for s in SHARDS[: SHARDS.index(wildcards.shard)]]
-
-    return paths
-
-
 rule pack_shard:
     input:
         tokenized=rules.tokenize.output.tokenized,

@@ -45,6 +45,19 @@ def test_packed_states_are_bit_exact_copies_of_the_extracted_files(demo_run):
         assert torch.equal(stored.view(torch.int16), row["hidden_states"].view(torch.int16))
 
 
+def test_the_dataset_is_an_index_over_the_packed_shards_and_copies_no_bytes(demo_run):
+    packed = sorted((demo_run / RUN / "packed").glob("shard-?????.arrow"))
+    data = sorted((demo_run / RUN / "dataset").glob("data-*.arrow"))
+    assert len(packed) == len(data) == 3
+    for shard, linked in zip(packed, data):
+        assert shard.stat().st_ino == linked.stat().st_ino and shard.stat().st_nlink == 2, linked
+    summaries = [json.loads(p.with_suffix(".json").read_text()) for p in packed]
+    counts = json.loads((demo_run / RUN / "dataset.counts.json").read_text())
+    assert sum(s["packed"] for s in summaries) == counts["packed"]
+    # The duplicate conversation is recorded by the later shard that met it again.
+    assert sum(len(s["duplicates"]) for s in summaries) == counts["skip_reasons"]["duplicate_conversation"]
+
+
 def test_counts_reconcile_with_reasons(demo_run):
     counts = json.loads((demo_run / RUN / "dataset.counts.json").read_text())
     n_in = sum(1 for line in (REPO / "data/demo/conversations.jsonl").open() if line.strip())
