@@ -157,6 +157,7 @@ class StoreSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        self._take()  # the end state: a run shorter than the interval still has a sample with every file
 
     def tail(self, expected_files: int, to_come: int) -> dict:
         """From the first sample with all but `to_come` files in the store (about when the last generate()
@@ -166,13 +167,16 @@ class StoreSampler:
         return {"files_to_come": to_come, "dirty_mb": max(s["dirty_mb"] for s in after),
                 "writeback_mb": max(s["writeback_mb"] for s in after)}
 
+    def _take(self) -> None:
+        files = sum(1 for d in self._directories if d.is_dir() for f in os.scandir(d) if f.name in self._names)
+        memory = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
+        self.samples.append({"t": round(time.perf_counter() - self._began, 3), "files": files,
+                             "dirty_mb": int(memory["Dirty"].split()[0]) // 1024,
+                             "writeback_mb": int(memory["Writeback"].split()[0]) // 1024})
+
     def _sample(self) -> None:
         while True:
-            files = sum(1 for d in self._directories if d.is_dir() for f in os.scandir(d) if f.name in self._names)
-            memory = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
-            self.samples.append({"t": round(time.perf_counter() - self._began, 3), "files": files,
-                                 "dirty_mb": int(memory["Dirty"].split()[0]) // 1024,
-                                 "writeback_mb": int(memory["Writeback"].split()[0]) // 1024})
+            self._take()
             if self._stop.wait(self.every):
                 return
 
