@@ -119,7 +119,8 @@ def disk_bytes(*roots: Path) -> int:
 
 
 class PeakBytes(threading.Thread):
-    """The largest `disk_bytes(root)` seen while it runs, sampled every `interval` seconds."""
+    """The largest `disk_bytes(root)` seen while it runs, sampled every `interval` seconds (the caller
+    adds the end state, which it measures anyway)."""
 
     def __init__(self, root: Path, interval: float = 1.0):
         super().__init__(daemon=True)
@@ -134,7 +135,6 @@ class PeakBytes(threading.Thread):
     def stop(self) -> int:
         self._done.set()
         self.join()
-        self.peak = max(self.peak, disk_bytes(self.root))
         return self.peak
 
 
