@@ -273,12 +273,19 @@ def index(job: IndexJob) -> dict:
 
 def _remove_outdated(dataset: str, counts: str) -> None:
     """A dataset over shards of which one is packed anew no longer says what the run holds: removed
-    before the shard is packed, counts first (rule pack writes both again)."""
-    if counts and Path(counts).exists():
-        Path(counts).unlink()
-    if dataset and Path(dataset).exists():
-        logger.info("removing %s: it indexes the shard packed now as it was before", dataset)
-        shutil.rmtree(dataset)
+    before the shard is packed, counts first (rule pack writes both again). Shard jobs run side by side,
+    so the dataset is first renamed away (only one job wins the rename) and then deleted."""
+    if counts:
+        Path(counts).unlink(missing_ok=True)
+    if not dataset:
+        return
+    doomed = Path(dataset).with_name(f".{Path(dataset).name}.outdated-{os.getpid()}")
+    try:
+        os.rename(dataset, doomed)
+    except FileNotFoundError:
+        return
+    logger.info("removing %s: it indexes the shard packed now as it was before", dataset)
+    shutil.rmtree(doomed)
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
