@@ -1,5 +1,7 @@
 # Pack each validated shard into an Arrow file while later shards are extracted; then the dataset as an
 # index over them (hard links, counts reconciled, quarantined included): seconds after the last shard.
+# The packed files live in the store (states/<key>/packed/, eagle3data.packed), outside the declared
+# outputs like the per-sample files: under storage.drop_packed_states they are the only copy.
 
 
 rule pack_shard:
@@ -11,7 +13,6 @@ rule pack_shard:
         earlier_tokenized=earlier_shards(rules.tokenize.output.tokenized),
         earlier_quarantined=earlier_shards(rules.validate.output.quarantined),
     output:
-        arrow=f"{RUN_DIR}/packed/shard-{{shard}}.arrow",
         summary=f"{RUN_DIR}/packed/shard-{{shard}}.json",
     log:
         f"{RUN_DIR}/logs/pack/shard-{{shard}}.log",
@@ -23,14 +24,13 @@ rule pack_shard:
         dataset=f"{RUN_DIR}/dataset",
         counts=f"{RUN_DIR}/dataset.counts.json",
     message:
-        "Packing shard {wildcards.shard} into {output.arrow}"
+        "Packing shard {wildcards.shard} (summary {output.summary})"
     script:
         "../scripts/pack_shard.py"
 
 
 rule pack:
     input:
-        arrows=expand(rules.pack_shard.output.arrow, shard=SHARDS),
         summaries=expand(rules.pack_shard.output.summary, shard=SHARDS),
         skipped=expand(rules.tokenize.output.skipped, shard=SHARDS),
         quarantined=expand(rules.validate.output.quarantined, shard=SHARDS),

@@ -6,15 +6,16 @@ from eagle3data.settings import Settings
 
 sm = snakemake  # noqa: F821
 redirect_output_to(sm.log[0])
+settings = Settings(dict(sm.config))
 index(
     IndexJob(
-        arrows=list(sm.input.arrows),
         summaries=list(sm.input.summaries),
         skipped=list(sm.input.skipped),
         quarantined=list(sm.input.quarantined),
         out_dir=sm.output.dataset,
         counts_out=sm.output.counts,
         conversations_in=sm.params.conversations_in,
-        metadata=Settings(dict(sm.config)).dataset_metadata(),
+        metadata=settings.dataset_metadata(),
+        store_dir=str(settings.store_dir),
     )
 )

@@ -2,10 +2,12 @@
 
 from eagle3data.logs import redirect_output_to
 from eagle3data.pack import ShardPackJob, pack_shard
+from eagle3data.packed import packed_shard_path
 from eagle3data.settings import Settings
 
 sm = snakemake  # noqa: F821
 redirect_output_to(sm.log[0])
+settings = Settings(dict(sm.config))
 pack_shard(
     ShardPackJob(
         tokenized=sm.input.tokenized,
@@ -14,11 +16,12 @@ pack_shard(
         quarantined=sm.input.quarantined,
         earlier_tokenized=list(sm.input.earlier_tokenized),
         earlier_quarantined=list(sm.input.earlier_quarantined),
-        arrow=sm.output.arrow,
+        arrow=str(packed_shard_path(settings.store_dir, sm.wildcards.shard)),
         summary=sm.output.summary,
-        metadata=Settings(dict(sm.config)).dataset_metadata(),
+        metadata=settings.dataset_metadata(),
         dataset=sm.params.dataset,
         dataset_counts=sm.params.counts,
         storage=dict(sm.config["storage"]),
+        store_dir=str(settings.store_dir),
     )
 )

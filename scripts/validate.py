@@ -19,5 +19,6 @@ run(
         sequence=dict(sm.params.sequence),
         policy=sm.params.policy,
         threads=sm.threads,
+        store_dir=str(settings.store_dir),
     )
 )

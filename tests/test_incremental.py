@@ -226,6 +226,28 @@ def test_other_batches_give_the_same_dataset(reference, tiny_deepseek, tmp_path)
     assert_same_dataset(workdir, reference)
 
 
+def test_dropped_store_files_come_back_from_the_packed_shard_without_the_engine(reference, tiny_deepseek,
+                                                                                tmp_path):
+    """storage.drop_packed_states: the store keeps no file a packed shard holds, and losing them costs no
+    GPU work. Killed right after its pack job dropped them (the job not yet done: Snakemake packs the
+    shard again), and then with extract forced, a run restores them from the packed shard."""
+    workdir = new_run(tmp_path / "run", 8)
+    config = small_config(tiny_deepseek, storage={"drop_packed_states": True})
+    (workdir / "test-config.yaml").write_text(yaml.safe_dump(config))
+    run_killed_at(workdir, "dropped:*/packed/shard-00000.arrow")
+    assert stored(workdir) == {} and not (workdir / RUN / "dataset").exists()
+    resumed = run_snakemake(workdir)
+    assert "(Rule: extract)" not in resumed.stderr and "(Rule: pack_shard)" in resumed.stderr
+    assert "restored 8 dropped states files" in (workdir / RUN / "logs/pack/shard-00000.log").read_text()
+    assert stored(workdir) == {} and temporary_files(workdir) == []
+    assert_same_dataset(workdir, reference)
+    run_snakemake(workdir, "--forcerun", "extract")
+    assert extract_counts(workdir) == (8, 8, 0) and "starting engine" not in extract_log(workdir)
+    assert "restored 8 dropped states files" in extract_log(workdir)
+    assert stored(workdir) == {}
+    assert_same_dataset(workdir, reference)
+
+
 def test_a_failing_sample_is_named_recorded_and_retried_alone(reference, tiny_deepseek, tmp_path):
     workdir = new_run(tmp_path / "run", 8)
     first_shard = list(tokenized(reference).index[:4])  # shard 00000 at 4 conversations per shard

@@ -47,12 +47,13 @@ def test_packed_states_are_bit_exact_copies_of_the_extracted_files(demo_run):
 
 
 def test_the_dataset_is_an_index_over_the_packed_shards_and_copies_no_bytes(demo_run):
-    packed = sorted((demo_run / RUN / "packed").glob("shard-?????.arrow"))
+    summaries = [json.loads(p.read_text()) for p in sorted((demo_run / RUN / "packed").glob("shard-?????.json"))]
+    packed = [demo_run / s["arrow"] for s in summaries]  # in the store, beside the per-sample files
     data = sorted((demo_run / RUN / "dataset").glob("data-*.arrow"))
     assert len(packed) == len(data) == 3
     for shard, linked in zip(packed, data):
+        assert shard.parent.parent.parent.name == "states", shard
         assert shard.stat().st_ino == linked.stat().st_ino and shard.stat().st_nlink == 2, linked
-    summaries = [json.loads(p.with_suffix(".json").read_text()) for p in packed]
     counts = json.loads((demo_run / RUN / "dataset.counts.json").read_text())
     assert sum(s["packed"] for s in summaries) == counts["packed"]
     # The duplicate conversation is recorded by the later shard that met it again.

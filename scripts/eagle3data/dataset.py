@@ -92,20 +92,25 @@ class PackedDataset:
             yield from self._rows(batch)
 
     def _rows(self, table: pa.Table) -> Iterator[dict]:
-        for i in range(table.num_rows):
-            ids = table.column("input_ids")[i].values.to_numpy(zero_copy_only=False)
-            mask = table.column("loss_mask")[i].values.to_numpy(zero_copy_only=False)
-            rows = table.column("hidden_states")[i].values  # FixedSizeList, one per token
-            flat = rows.flatten().to_numpy(zero_copy_only=True)
-            with warnings.catch_warnings():  # a read-only view of the memory-mapped file, on purpose
-                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                states = torch.from_numpy(flat).view(self._torch_dtype)
-            yield {
-                "sample_id": table.column("sample_id")[i].as_py(),
-                "input_ids": torch.from_numpy(ids.astype(np.int64)),
-                "loss_mask": torch.from_numpy(mask.astype(np.int64)),
-                "hidden_states": states.view(len(ids), self.n_captures, self.hidden_size),
-            }
+        return read_rows(table, self.n_captures, self.hidden_size, self._torch_dtype)
+
+
+def read_rows(table: pa.Table, n_captures: int, hidden_size: int, torch_dtype: torch.dtype) -> Iterator[dict]:
+    """Rows of a packed table as torch tensors; `hidden_states` a read-only view of the table's memory."""
+    for i in range(table.num_rows):
+        ids = table.column("input_ids")[i].values.to_numpy(zero_copy_only=False)
+        mask = table.column("loss_mask")[i].values.to_numpy(zero_copy_only=False)
+        rows = table.column("hidden_states")[i].values  # FixedSizeList, one per token
+        flat = rows.flatten().to_numpy(zero_copy_only=True)
+        with warnings.catch_warnings():  # a read-only view of the memory-mapped file, on purpose
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            states = torch.from_numpy(flat).view(torch_dtype)
+        yield {
+            "sample_id": table.column("sample_id")[i].as_py(),
+            "input_ids": torch.from_numpy(ids.astype(np.int64)),
+            "loss_mask": torch.from_numpy(mask.astype(np.int64)),
+            "hidden_states": states.view(len(ids), n_captures, hidden_size),
+        }
 
 
 def open_dataset(path: str | Path) -> PackedDataset:

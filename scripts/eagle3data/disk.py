@@ -92,7 +92,7 @@ def finished_conversations(manifest: str | Path, shard_size: int) -> int:
 
 # `storage` settings for callers that build jobs by hand (tests, benchmarks); the workflow's come from
 # config/schema.yaml, whose defaults these are.
-STORAGE_DEFAULTS = {"check_free_space": True, "reserve_gib": 1}
+STORAGE_DEFAULTS = {"check_free_space": True, "reserve_gib": 1, "drop_packed_states": False}
 
 
 def check_free_space(directory: str | Path, needed_bytes: int, reserve_gib: float, enforce: bool,

@@ -1,8 +1,9 @@
 """The `pack` stage: each validated shard into one Arrow file as soon as it is validated, then the
 Hugging Face dataset as an index over them.
 
-Rule pack_shard streams a shard's states into `packed/shard-NNNNN.arrow` with `datasets`' ArrowWriter
-(memory: one batch of samples), while the engine extracts later shards; rule pack then only hard-links
+Rule pack_shard streams a shard's states into `states/<key>/packed/shard-NNNNN.arrow` (packed.py says
+why there) with `datasets`' ArrowWriter (memory: one batch of samples), while the engine extracts later
+shards, and under `storage.drop_packed_states` then deletes the store files it packed; rule pack then only hard-links
 those files into the dataset directory, writes its state and info files and renames it into place, so
 the last step after extraction costs seconds, the dataset costs no bytes beside the packed files, and a
 crash never leaves a dataset that looks complete. Every boundary is checked again: each shard's tables
@@ -37,6 +38,7 @@ from eagle3data.check_dataset import check_dataset
 from eagle3data.failures import BoundaryError, Failure, show, summary, validate
 from eagle3data.logs import get_logger
 from eagle3data.overlap import ahead
+from eagle3data.packed import drop_packed, held_elsewhere, remove_orphans, restore_missing
 from eagle3data.schemas import (
     SkippedShard,
     TokenizedShard,
@@ -47,6 +49,7 @@ from eagle3data.schemas import (
 )
 from eagle3data.states import DTYPES, checksum, load_states
 from eagle3data.store import atomic_path, atomic_write_text
+from eagle3data.testing import kill_point
 
 logger = get_logger(__name__)
 # A batch holds at most PackJob.batch_size samples and about this many bytes of states (one Kimi-K2.5
@@ -88,18 +91,19 @@ class ShardPackJob:
     dataset_counts: str = ""
     batch_size: int = 32
     storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
+    store_dir: str = ""  # the run's store: dropped files restored from the packed shards (packed.py)
 
 
 @dataclass
 class IndexJob:
-    arrows: list[str]
-    summaries: list[str]
+    summaries: list[str]  # each names its shard's packed file
     skipped: list[str]
     quarantined: list[str]
     out_dir: str
     counts_out: str
     conversations_in: int
     metadata: dict
+    store_dir: str = ""  # its packed shards that no summary names are removed (packed.remove_orphans)
 
 
 def _verified_states(sample_id: str, captures: pd.DataFrame, out: torch.Tensor) -> None:
@@ -189,7 +193,7 @@ def run(job: PackJob) -> dict:
         summaries.append(str(work / f"shard-{i:05d}.json"))
         pack_shard(ShardPackJob(*paths, job.tokenized[:i], job.quarantined[:i], arrows[-1], summaries[-1],
                                 job.metadata, job.out_dir, job.counts_out, job.batch_size, job.storage))
-    counts = index(IndexJob(arrows, summaries, job.skipped, job.quarantined, job.out_dir, job.counts_out,
+    counts = index(IndexJob(summaries, job.skipped, job.quarantined, job.out_dir, job.counts_out,
                             job.conversations_in, job.metadata))
     shutil.rmtree(work)
     return counts
@@ -217,6 +221,9 @@ def pack_shard(job: ShardPackJob) -> dict:
     captures_contract = sample_states_contract(tuple(c["name"] for c in meta["captures"]))
     tokenized, manifest, quarantined = _checked_shard(job.tokenized, job.states, job.quarantined,
                                                       manifest_contract, captures_contract)
+    if job.store_dir:
+        restore_missing(job.store_dir, tokenized["sample_id"], len(meta["captures"]),
+                               meta["hidden_size"], meta["dtype"])
     skipped = check(SkippedShard, pd.read_parquet(job.skipped), job.skipped)
     split = _split_samples([tokenized, quarantined, skipped])
     seen, dup_rows = earlier_ids(job.earlier_tokenized, job.earlier_quarantined), []
@@ -232,10 +239,19 @@ def pack_shard(job: ShardPackJob) -> dict:
             del columns, states, batch  # before the next is read: two batches in memory at most
         writer.finalize()
         writer.close()
-    summary = {"packed": packed, "split_samples": split, "pack_bytes": nbytes,
+    summary = {"arrow": str(job.arrow), "packed": packed, "split_samples": split, "pack_bytes": nbytes,
                "pack_seconds": time.perf_counter() - began, "duplicates": dup_rows}
     atomic_write_text(job.summary, json.dumps(summary, indent=2))
     logger.info("packed %d samples (%.1f MB) of %s into %s", packed, nbytes / 1e6, job.tokenized, job.arrow)
+    if job.store_dir and job.storage.get("drop_packed_states"):
+        duplicates = {d["sample_id"] for d in dup_rows}  # packed by an earlier shard, maybe not yet
+        validated = manifest[manifest["sample_id"].isin(duplicates)].sort_values("slot")
+        held = held_elsewhere(job.store_dir, validated.groupby("sample_id")["checksum"].agg(list).to_dict(),
+                              len(meta["captures"]), meta["hidden_size"], meta["dtype"])
+        dropped = drop_packed(job.store_dir, (set(tokenized["sample_id"]) - duplicates) | set(held))
+        logger.info("dropped %d states files from the store %s: %s holds them (storage.drop_packed_states)",
+                    dropped, job.store_dir, job.arrow)
+        kill_point(f"dropped:{job.arrow}")
     return summary
 
 
@@ -244,13 +260,15 @@ def index(job: IndexJob) -> dict:
     the filesystem cannot link), the counts reconciled, state, info and card written, the whole checked,
     then renamed into place."""
     began = time.perf_counter()
-    out, n = Path(job.out_dir), len(job.arrows)
+    out, n = Path(job.out_dir), len(job.summaries)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for i, arrow in enumerate(job.arrows):
-        _link_or_copy(Path(arrow), tmp / f"data-{i:05d}-of-{n:05d}.arrow")
     summaries = [json.loads(Path(p).read_text()) for p in job.summaries]
+    for i, summary in enumerate(summaries):
+        _link_or_copy(Path(summary["arrow"]), tmp / f"data-{i:05d}-of-{n:05d}.arrow")
+    if job.store_dir:
+        remove_orphans(job.store_dir, [s["arrow"] for s in summaries])
     skipped = [check(SkippedShard, pd.read_parquet(p), p) for p in [*job.skipped, *job.quarantined]]
     duplicates = pd.DataFrame([d for s in summaries for d in s["duplicates"]],
                               columns=["sample_id", "source_row", "source_id", "reason"])

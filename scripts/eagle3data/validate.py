@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from eagle3data.failures import BoundaryError, summary, validate
 from eagle3data.logs import get_logger
+from eagle3data.packed import restore_missing
 from eagle3data.quarantine import quarantine
 from eagle3data.schemas import (
     ExtractCoverage,
@@ -52,6 +53,7 @@ class ValidateJob:
     sequence: dict
     policy: str = "fail"
     threads: int = 1  # files checked at once
+    store_dir: str = ""  # files dropped once packed are restored from its packed shards first (packed.py)
 
 
 def _tables(job: ValidateJob) -> tuple[pd.DataFrame, pd.DataFrame, list]:
@@ -97,6 +99,9 @@ def run(job: ValidateJob) -> pd.DataFrame:
         todo = extracted.drop_duplicates("sample_id")
         todo = todo[todo["sample_id"].isin(tokenized["sample_id"])
                     & ~todo["sample_id"].isin({f.sample_id for f in table})]
+        if job.store_dir:
+            restore_missing(job.store_dir, todo["sample_id"], len(job.expected.captures),
+                            job.expected.hidden_size, job.expected.dtype)
         manifest, found = _samples(job, tokenized, todo)
     files = [job.tokenized, job.extract_manifest]
     if table or (found and job.policy == "fail"):

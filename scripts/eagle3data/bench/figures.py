@@ -114,8 +114,8 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
                                 parse_capture_arg(args.captures), os.cpu_count())
     disk = result["footprint"]
     gb = {k: f"{v / 1e9:.3f} GB" for k, v in disk.items()}
-    where = (f"dataset {gb['dataset_bytes']}, per-sample store {gb['store_bytes']}, exports' own bytes "
-             f"{gb['exports_own_bytes']} (speculators: hard links to the store)")
+    where = (f"dataset {gb['dataset_bytes']}, per-sample store beyond it {gb['store_bytes']} "
+             f"(storage.drop_packed_states), exports' own bytes {gb['exports_own_bytes']}")
     return result, [
         Figure("7", "end_to_end", result["tokens_per_second"] / bare_tps, "", None,
                f"{result['tokens']} tokens of {result['conversations']} conversations in "

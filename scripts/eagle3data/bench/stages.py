@@ -139,11 +139,13 @@ class PeakBytes(threading.Thread):
 
 
 def footprint(run: Path) -> dict:
-    """Where a run's bytes are, each counted once (a hard link is free): the dataset, the per-sample
-    store, the trainer exports beyond what they share with the store, everything else."""
-    dataset, store = disk_bytes(run / "dataset"), disk_bytes(run / "states")
-    return {"dataset_bytes": dataset, "store_bytes": store,
-            "exports_own_bytes": disk_bytes(run / "states", run / "export") - store, "run_bytes": disk_bytes(run)}
+    """Where a run's bytes are, each counted once (a hard link is free): the dataset, the store beyond
+    the dataset (per-sample files; the packed shards in it are the dataset's files), the trainer exports
+    beyond what they share with both, everything."""
+    dataset, with_store = disk_bytes(run / "dataset"), disk_bytes(run / "dataset", run / "states")
+    return {"dataset_bytes": dataset, "store_bytes": with_store - dataset,
+            "exports_own_bytes": disk_bytes(run / "dataset", run / "states", run / "export") - with_store,
+            "run_bytes": disk_bytes(run)}
 
 
 def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict, captures: list[dict],
@@ -161,6 +163,7 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     config["model"].update(path=str(Path(model).resolve()), build_demo=False, hidden_size=info.hidden_size,
                            num_hidden_layers=info.num_hidden_layers)
     config["engine"].update(engine)
+    config["storage"] = {"drop_packed_states": True}  # as config/kimi-k2.5.yaml: one copy of the states
     (work / "config.yaml").write_text(yaml.safe_dump(config))
     run = work / "results" / "bench-e2e"
     peak = PeakBytes(run)

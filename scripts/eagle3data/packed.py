@@ -1,0 +1,103 @@
+"""The packed shards as the store's second home: where they live, and giving back a dropped file.
+
+Each shard is packed into one Arrow file, `<store>/packed/shard-NNNNN.arrow` (`<store>` is the run's
+`states/<key>` directory), beside the per-sample files and like them outside Snakemake's declared
+outputs: Snakemake deletes the outputs of a job it re-runs or of a job that died, and a packed shard may
+be the only copy of its states. Under the key, a packed shard never serves another model, capture set
+or dtype.
+
+With `storage.drop_packed_states` a shard's pack job deletes the store files of the samples it packed
+once the packed file is durable, so the run keeps one copy of each state instead of two (a conversation
+that a later shard meets again goes too once a packed shard holds the very bytes validate checked: a
+shard's validate may have restored it). Any later job
+that needs such a file (an extract, validate or pack job of a re-run) first restores it from the packed
+shards (`restore_missing`): the same tensors, checked afterwards like every stored file (tokens by
+extract and validate, checksums by pack). A sample that no packed shard holds stays missing and is
+computed or reported as before.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import datasets
+from safetensors.torch import save_file
+
+from eagle3data.dataset import read_rows
+from eagle3data.logs import get_logger
+from eagle3data.states import DTYPES, checksum
+from eagle3data.store import atomic_path, sample_path
+
+logger = get_logger(__name__)
+
+
+def packed_dir(store_dir: str | os.PathLike) -> Path:
+    return Path(store_dir) / "packed"
+
+
+def packed_shard_path(store_dir: str | os.PathLike, shard: str) -> Path:
+    """Where shard `shard` (its five digits) is packed."""
+    return packed_dir(store_dir) / f"shard-{shard}.arrow"
+
+
+def restore_missing(store_dir: str | os.PathLike, sample_ids, n_captures: int, hidden_size: int,
+                    dtype: str) -> list[str]:
+    """Write back into the store, from the packed shards, the files of these samples that are missing
+    there; the ids restored."""
+    missing = {s for s in sample_ids if not sample_path(store_dir, s).exists()}
+    restored = []
+    for row in _packed_rows(store_dir, missing, n_captures, hidden_size, dtype):
+        with atomic_path(sample_path(store_dir, row["sample_id"])) as tmp:
+            save_file({"hidden_states": row["hidden_states"].contiguous(), "token_ids": row["input_ids"]}, tmp)
+        restored.append(row["sample_id"])
+    if restored:
+        logger.info("restored %d dropped states files from the packed shards in %s", len(restored),
+                    packed_dir(store_dir))
+    return restored
+
+
+def drop_packed(store_dir: str | os.PathLike, sample_ids) -> int:
+    """Delete the store files of samples that a durable packed shard now holds; how many there were."""
+    dropped = 0
+    for sample_id in sample_ids:
+        path = sample_path(store_dir, sample_id)
+        if path.exists():
+            path.unlink()
+            dropped += 1
+    return dropped
+
+
+def held_elsewhere(store_dir: str | os.PathLike, checksums: dict[str, list[str]], n_captures: int,
+                   hidden_size: int, dtype: str) -> list[str]:
+    """Of these samples (id -> the checksums validate recorded, in slot order), those a packed shard
+    holds bit for bit: a duplicate's file may go only when the copy that stays is the one validated."""
+    return [row["sample_id"] for row in _packed_rows(store_dir, set(checksums), n_captures, hidden_size, dtype)
+            if [checksum(row["hidden_states"][:, slot, :]) for slot in range(n_captures)]
+            == checksums[row["sample_id"]]]
+
+
+def _packed_rows(store_dir, wanted: set[str], n_captures: int, hidden_size: int, dtype: str) -> Iterator[dict]:
+    """The rows of the packed shards holding these samples, the first found of each; the files are
+    memory-mapped, so only those rows' states are read."""
+    wanted = set(wanted)
+    for arrow in sorted(packed_dir(store_dir).glob("shard-*.arrow")) if wanted else []:
+        table = datasets.Dataset.from_file(str(arrow)).data.table
+        for i, sample_id in enumerate(table.column("sample_id").to_pylist()):
+            if sample_id in wanted:
+                wanted.discard(sample_id)
+                yield next(read_rows(table.slice(i, 1), n_captures, hidden_size, DTYPES[dtype]))
+        if not wanted:
+            return
+
+
+def remove_orphans(store_dir: str | os.PathLike, current: list[str]) -> list[Path]:
+    """Delete packed shards that no shard of the run packs any more (the input shrank); the removed."""
+    keep = {Path(p).resolve() for p in current}
+    orphans = [p for p in packed_dir(store_dir).glob("shard-*.arrow") if p.resolve() not in keep]
+    for path in orphans:
+        logger.info("removing %s: no shard of the run packs into it any more", path)
+        path.unlink()
+    return orphans
+
