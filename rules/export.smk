@@ -14,6 +14,7 @@ rule export_speculators:
         "../envs/eagle3data.yaml"
     params:
         layer_ids=config["export"]["speculators"]["layer_ids"],
+        states=config["export"]["speculators"]["states"],
     message:
         "Exporting {input.dataset} for speculators to {output.export}"
     script:

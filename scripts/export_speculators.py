@@ -13,4 +13,5 @@ export(
     vocab_mapping=sm.input.mapping,
     layer_ids=sm.params.layer_ids,
     store_dir=Settings(dict(sm.config)).store_dir,
+    states=sm.params.states,
 )

@@ -117,6 +117,45 @@ def test_speculators_trains_on_its_export_on_cpu(exported, tmp_path):
     assert val[-1] < 0.95 * val[0], f"validation loss by epoch: {val}"
 
 
+def test_the_reader_export_holds_no_states_and_speculators_reads_the_packed_ones(exported, tmp_path):
+    """export.speculators.states: reader. speculators' own ArrowDataset, given the eagle3data backend,
+    yields exactly the samples it yields from the files export, and its CLI trains through the backend."""
+    from hs_connectors.transfer import FileTransfer
+    from speculators.train.data import ArrowDataset
+
+    from eagle3data.speculators_reader import PackedStatesTransfer
+
+    run, _ = exported
+    reader, files = tmp_path / "reader", run / RUN / "export" / "speculators"
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3data.export_speculators", f"{RUN}/dataset", str(reader), "--token-freq",
+         f"{RUN}/token_freq.pt", "--vocab-mapping", f"{RUN}/vocab_mapping.pt", "--states", "reader"],
+        capture_output=True, text=True, timeout=300, cwd=run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (reader / "hidden_states").exists()
+    dataset_bytes = sum(p.stat().st_size for p in (run / RUN / "dataset").glob("*.arrow"))
+    assert sum(p.stat().st_size for p in reader.rglob("*") if p.is_file()) < 0.1 * dataset_bytes
+    options = {"max_len": 512, "on_missing": "raise", "hidden_states_dtype": torch.float32}
+    expected = ArrowDataset(datapath=files, transfer=FileTransfer(files / "hidden_states"), **options)
+    found = ArrowDataset(datapath=reader, transfer=PackedStatesTransfer(reader), **options)
+    assert len(found) == len(expected) == len(open_dataset(run / RUN / "dataset"))
+    for i in range(len(expected)):
+        a, b = expected[i], found[i]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), i
+    metrics = tmp_path / "metrics.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3data.bench.speculators_cpu", str(metrics),
+         "--verifier-name-or-path", str(run / MODEL), "--data-path", str(reader), "--speculator-type", "eagle3",
+         "--hidden-states-backend", "eagle3data", "--target-layer-ids", "2", "4", "5", "--draft-vocab-size", "256",
+         "--total-seq-len", "512", "--num-workers", "0", "--draft-attn-impl", "sdpa", "--loss-implementation",
+         "eager", "--hidden-states-dtype", "float32", "--on-missing", "raise", "--epochs", "1",
+         "--save-path", str(tmp_path / "draft")],
+        capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    train = [json.loads(line)["train"] for line in metrics.read_text().splitlines() if '"train"' in line]
+    assert train and [t["error_records"] for t in train] == [0.0] * len(train)
+
+
 def test_specforge_offline_reader_reads_exactly_the_packed_tensors(exported):
     from specforge.algorithms.eagle3.data import build_offline_collator, build_offline_normalizer
     from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader

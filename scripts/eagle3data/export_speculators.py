@@ -11,7 +11,11 @@ The layout its `ArrowDataset` reads from `--data-path D`:
 
 Rows keep the packed order (the trainer validates on the last 10 %). Memory is one packed row at a time
 plus the Arrow writer's batch. `python -m eagle3data.export_speculators DATASET OUT --token-freq F
---vocab-mapping M [--layer-ids 2 4 5] [--store DIR]`.
+--vocab-mapping M [--layer-ids 2 4 5] [--store DIR] [--states files|reader]`.
+
+`--states reader` writes no `hidden_states/`: the trainer, run with `--hidden-states-backend eagle3data`
+(`speculators_reader.py`), reads each row's states from the packed dataset the manifest names, and the
+export costs a few MB whatever the dataset's size.
 
 With the store given (the rule gives it) and the trainer's slots the dataset's own (every capture, in
 slot order: the default layer ids), a sample's `hs_{i}.safetensors` is a hard link to its file in the
@@ -45,6 +49,8 @@ from eagle3data.vocab import read_mapping
 
 logger = get_logger(__name__)
 
+STATES = ("files", "reader")
+READER_BACKEND = "eagle3data"  # speculators_reader.BACKEND, which imports speculators' code
 FEATURES = datasets.Features(
     {
         "input_ids": datasets.List(datasets.Value("int32")),
@@ -79,10 +85,22 @@ def hard_link(stored: Path, target: Path) -> bool:
     return True
 
 
+def write_states_file(row: dict, slots: list[int], target: Path, stored: Path | None, packed_at: float) -> bool:
+    """Row's `hs_{i}.safetensors`: a hard link to `stored` where it holds exactly this (True), else written."""
+    if stored is not None and linkable(stored, row, packed_at) and hard_link(stored, target):
+        return True
+    states = row["hidden_states"][:, slots, :].contiguous()  # a copy: this sample's bytes only
+    save_file({"hidden_states": states, "token_ids": row["input_ids"]}, str(target))
+    return False
+
+
 def export(dataset_path: str | Path, out: str | Path, token_freq: str | Path, vocab_mapping: str | Path,
-           layer_ids: list[int] | None = None, store_dir: str | Path | None = None) -> dict:
-    """Write the speculators layout of the packed dataset at `dataset_path` to `out`; return its manifest."""
-    ds = open_dataset(dataset_path)
+           layer_ids: list[int] | None = None, store_dir: str | Path | None = None, states: str = "files") -> dict:
+    """Write the speculators layout of the packed dataset at `dataset_path` to `out`; return its manifest.
+    `states`: "files" (hs_{i}.safetensors, linked or written) or "reader" (none: speculators_reader.py)."""
+    if states not in STATES:
+        raise ExportRefused(f"--states: expected one of {STATES}, found {states!r}")
+    ds = open_dataset(Path(dataset_path).resolve())  # the manifest names it for the reader, from anywhere
     lay = layout(SPECULATORS, ds.metadata, layer_ids)
     slots = [*lay.aux_slots, lay.final_slot]
     own_slots = slots == list(range(len(ds.metadata["captures"])))
@@ -90,29 +108,34 @@ def export(dataset_path: str | Path, out: str | Path, token_freq: str | Path, vo
     linked = 0
     d2t, t2d = read_mapping(vocab_mapping)
     with staging_dir(out) as tmp:
-        (tmp / "hidden_states").mkdir()
+        if states == "files":
+            (tmp / "hidden_states").mkdir()
         columns = tmp / ".columns" / "data.arrow"  # outside tmp itself: save_to_disk refuses its own source
         columns.parent.mkdir()
         with ArrowWriter(features=FEATURES, path=str(columns)) as writer:
             for i, row in enumerate(tqdm(ds, total=len(ds), desc="export speculators", unit="sample")):
-                ids, target = row["input_ids"], tmp / "hidden_states" / f"hs_{i}.safetensors"
-                stored = sample_path(store_dir, row["sample_id"]) if store_dir and own_slots else None
-                if stored is not None and linkable(stored, row, packed_at) and hard_link(stored, target):
-                    linked += 1
-                else:
-                    states = row["hidden_states"][:, slots, :].contiguous()  # a copy: this sample's bytes only
-                    save_file({"hidden_states": states, "token_ids": ids}, str(target))
-                writer.write({"input_ids": ids.tolist(), "loss_mask": row["loss_mask"].tolist(),
-                              "seq_len": len(ids)})
+                if states == "files":
+                    stored = sample_path(store_dir, row["sample_id"]) if store_dir and own_slots else None
+                    linked += write_states_file(row, slots, tmp / "hidden_states" / f"hs_{i}.safetensors",
+                                                stored, packed_at)
+                writer.write({"input_ids": row["input_ids"].tolist(), "loss_mask": row["loss_mask"].tolist(),
+                              "seq_len": len(row["input_ids"])})
             writer.finalize()
         datasets.Dataset.from_file(str(columns)).with_format("torch").save_to_disk(str(tmp))
         shutil.rmtree(columns.parent)
         shutil.copyfile(token_freq, tmp / "token_freq.pt")
         np.save(tmp / f"d2t-{d2t.numel()}.npy", d2t.numpy())
         np.save(tmp / f"t2d-{d2t.numel()}.npy", t2d.numpy())
-        manifest = write_manifest(tmp, ds, lay, d2t.numel(), trainer_version="0.9.0")
-    logger.info("exported %d samples for speculators to %s (--target-layer-ids %s); %d of them hard links to "
-                "the store's files, the rest copies", len(ds), out, " ".join(map(str, lay.layer_ids)), linked)
+        # The reader's slots of the packed states, in the trainer's order: aux states, then the final one.
+        backend = {"hidden_states_backend": READER_BACKEND, "reader_slots": slots} if states == "reader" else {}
+        manifest = write_manifest(tmp, ds, lay, d2t.numel(), trainer_version="0.9.0", **backend)
+    if states == "reader":
+        logger.info("exported %d samples for speculators to %s (--target-layer-ids %s) without states: train "
+                    "with --hidden-states-backend %s (python -m eagle3data.speculators_reader)", len(ds), out,
+                    " ".join(map(str, lay.layer_ids)), READER_BACKEND)
+    else:
+        logger.info("exported %d samples for speculators to %s (--target-layer-ids %s); %d of them hard links "
+                    "to the store's files, the rest copies", len(ds), out, " ".join(map(str, lay.layer_ids)), linked)
     return manifest
 
 
@@ -127,9 +150,12 @@ def main(argv: list[str] | None = None) -> None:
                              "every capture but the final state, in slot order")
     parser.add_argument("--store", help="the run's store (results/<run>/states/<key>): link its files where "
                                             "they hold exactly what would be written")
+    parser.add_argument("--states", choices=STATES, default="files",
+                        help="files: hidden_states/hs_{i}.safetensors; reader: none, the trainer reads the packed "
+                             "dataset through eagle3data.speculators_reader")
     args = parser.parse_args(argv)
     try:
-        export(args.dataset, args.out, args.token_freq, args.vocab_mapping, args.layer_ids, args.store)
+        export(args.dataset, args.out, args.token_freq, args.vocab_mapping, args.layer_ids, args.store, args.states)
     except ExportRefused as exc:
         sys.exit(str(exc))
 

@@ -115,7 +115,8 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
     disk = result["footprint"]
     gb = {k: f"{v / 1e9:.3f} GB" for k, v in disk.items()}
     where = (f"dataset {gb['dataset_bytes']}, per-sample store beyond it {gb['store_bytes']} "
-             f"(storage.drop_packed_states), exports' own bytes {gb['exports_own_bytes']}")
+             f"(storage.drop_packed_states), exports' own bytes {gb['exports_own_bytes']} (speculators: "
+             f"states reader, SpecForge: files)")
     return result, [
         Figure("7", "end_to_end", result["tokens_per_second"] / bare_tps, "", None,
                f"{result['tokens']} tokens of {result['conversations']} conversations in "

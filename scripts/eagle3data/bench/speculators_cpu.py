@@ -35,6 +35,8 @@ def main() -> None:
     from speculators.train import cli, trainer
     from speculators.train.config import TrainConfig
 
+    import eagle3data.speculators_reader  # noqa: F401  (registers --hidden-states-backend eagle3data)
+
     trainer.get_local_rank = lambda: "cpu"
     torch.accelerator.synchronize = lambda *args, **kwargs: None
     setup_metric_logger = cli.setup_metric_logger
