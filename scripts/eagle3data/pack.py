@@ -11,7 +11,7 @@ against their contracts, each states file against the checksums validate recorde
 is refused), the counts (conversations in = packed + skipped, quarantined samples included; a
 conversation that tokenize split into several samples adds each sample after its first to the samples
 in: `split_samples`), and the finished dataset as `check_dataset` sees it. A conversation already packed
-by an earlier shard is recorded as a duplicate: each shard job reads the earlier shards' sample ids.
+by an earlier shard is recorded as a duplicate (duplicates.py: one table for the run, written after tokenize).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from eagle3data import dataset as fmt
 from eagle3data import disk
 from eagle3data.card import write_card
 from eagle3data.check_dataset import check_dataset
+from eagle3data.duplicates import packed_earlier, write_index
 from eagle3data.failures import BoundaryError, Failure, show, summary, validate
 from eagle3data.logs import get_logger
 from eagle3data.overlap import ahead
@@ -82,8 +83,8 @@ class ShardPackJob:
     skipped: str
     states: str
     quarantined: str
-    earlier_tokenized: list[str]  # the shards before this one: what they pack is not packed again
-    earlier_quarantined: list[str]
+    duplicates: str  # duplicates.write_index of the run's shards: what earlier shards pack is not packed again
+    shard: int  # this shard's position among them
     arrow: str
     summary: str
     metadata: dict
@@ -187,26 +188,16 @@ def run(job: PackJob) -> dict:
     work = Path(job.out_dir).with_name(f".{Path(job.out_dir).name}.shards")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    arrows, summaries = [], []
+    duplicates, summaries = str(work / "duplicates.parquet"), []
+    write_index(job.tokenized, duplicates)
     for i, paths in enumerate(zip(job.tokenized, job.skipped, job.states, job.quarantined)):
-        arrows.append(str(work / f"shard-{i:05d}.arrow"))
         summaries.append(str(work / f"shard-{i:05d}.json"))
-        pack_shard(ShardPackJob(*paths, job.tokenized[:i], job.quarantined[:i], arrows[-1], summaries[-1],
+        pack_shard(ShardPackJob(*paths, duplicates, i, str(work / f"shard-{i:05d}.arrow"), summaries[-1],
                                 job.metadata, job.out_dir, job.counts_out, job.batch_size, job.storage))
     counts = index(IndexJob(summaries, job.skipped, job.quarantined, job.out_dir, job.counts_out,
                             job.conversations_in, job.metadata))
     shutil.rmtree(work)
     return counts
-
-
-def earlier_ids(tokenized: list[str], quarantined: list[str]) -> set[str]:
-    """The sample ids that earlier shards pack: their kept samples that validate did not quarantine (one
-    column each)."""
-    ids: set[str] = set()
-    for tok_path, q_path in zip(tokenized, quarantined, strict=True):
-        kept = set(pq.read_table(tok_path, columns=["sample_id"]).column(0).to_pylist())
-        ids |= kept - set(pq.read_table(q_path, columns=["sample_id"]).column(0).to_pylist())
-    return ids
 
 
 def pack_shard(job: ShardPackJob) -> dict:
@@ -226,7 +217,7 @@ def pack_shard(job: ShardPackJob) -> dict:
                                meta["hidden_size"], meta["dtype"])
     skipped = check(SkippedShard, pd.read_parquet(job.skipped), job.skipped)
     split = _split_samples([tokenized, quarantined, skipped])
-    seen, dup_rows = earlier_ids(job.earlier_tokenized, job.earlier_quarantined), []
+    seen, dup_rows = packed_earlier(job.duplicates, job.shard), []
     packed, nbytes = 0, 0
     with atomic_path(job.arrow) as tmp:
         writer = ArrowWriter(features=features, path=str(tmp))
