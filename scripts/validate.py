@@ -19,6 +19,6 @@ run(
         sequence=dict(sm.params.sequence),
         policy=sm.params.policy,
         threads=sm.threads,
-        store_dir=str(settings.store_dir),
+        restore_from=str(settings.store_dir) if sm.config["storage"]["drop_packed_states"] else "",
     )
 )

@@ -73,13 +73,15 @@ def check_reply(sample_id: str, reply, expected_path: str) -> None:
 def reuse_or_clear(job: ExtractJob, shard: pd.DataFrame) -> tuple[list, list]:
     """(manifest rows of the samples whose stored file is whole and holds their tokens, rows to compute).
 
-    Files dropped once packed are restored from the packed shards first (packed.py). A stored file
+    Files dropped once packed (storage.drop_packed_states) are restored from the packed shards first
+    (packed.py). A stored file
     that does not match (tokens changed with max_seq_len or the template, or the file is
     damaged) is removed first: the watcher must see only the file the engine writes for this run.
     """
     paths = {sample_id: sample_path(job.store_dir, sample_id) for sample_id in shard["sample_id"]}
-    restore_missing(job.store_dir, shard["sample_id"], len(job.expected.captures), job.expected.hidden_size,
-                    job.expected.dtype)  # what storage.drop_packed_states dropped once packed
+    if job.storage.get("drop_packed_states"):  # what it dropped once packed; otherwise a gone file is damage
+        restore_missing(job.store_dir, shard["sample_id"], len(job.expected.captures), job.expected.hidden_size,
+                        job.expected.dtype)
     stored = [row for row in shard.itertuples(index=False) if paths[row.sample_id].exists()]
     problems = judge_files([file_facts(r.sample_id, str(paths[r.sample_id]), r.input_ids) for r in stored], job.expected)
     stored_ids = {row.sample_id for row in stored}

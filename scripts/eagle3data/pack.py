@@ -92,7 +92,7 @@ class ShardPackJob:
     dataset_counts: str = ""
     batch_size: int = 32
     storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
-    store_dir: str = ""  # the run's store: dropped files restored from the packed shards (packed.py)
+    store_dir: str = ""  # the run's store: under drop_packed_states files restored and dropped (packed.py)
 
 
 @dataclass
@@ -212,7 +212,8 @@ def pack_shard(job: ShardPackJob) -> dict:
     captures_contract = sample_states_contract(tuple(c["name"] for c in meta["captures"]))
     tokenized, manifest, quarantined = _checked_shard(job.tokenized, job.states, job.quarantined,
                                                       manifest_contract, captures_contract)
-    if job.store_dir:
+    drop = bool(job.store_dir and job.storage.get("drop_packed_states"))
+    if drop:
         restore_missing(job.store_dir, tokenized["sample_id"], len(meta["captures"]),
                                meta["hidden_size"], meta["dtype"])
     skipped = check(SkippedShard, pd.read_parquet(job.skipped), job.skipped)
@@ -234,7 +235,7 @@ def pack_shard(job: ShardPackJob) -> dict:
                "pack_seconds": time.perf_counter() - began, "duplicates": dup_rows}
     atomic_write_text(job.summary, json.dumps(summary, indent=2))
     logger.info("packed %d samples (%.1f MB) of %s into %s", packed, nbytes / 1e6, job.tokenized, job.arrow)
-    if job.store_dir and job.storage.get("drop_packed_states"):
+    if drop:
         duplicates = {d["sample_id"] for d in dup_rows}  # packed by an earlier shard, maybe not yet
         validated = manifest[manifest["sample_id"].isin(duplicates)].sort_values("slot")
         held = held_elsewhere(job.store_dir, validated.groupby("sample_id")["checksum"].agg(list).to_dict(),

@@ -13,7 +13,8 @@ shard's validate may have restored it). Any later job
 that needs such a file (an extract, validate or pack job of a re-run) first restores it from the packed
 shards (`restore_missing`): the same tensors, checked afterwards like every stored file (tokens by
 extract and validate, checksums by pack). A sample that no packed shard holds stays missing and is
-computed or reported as before.
+computed or reported as before. Without the setting nothing is restored: a store file gone then is
+damage, and validate reports it (the corruption catalogue's `gone`).
 """
 
 from __future__ import annotations

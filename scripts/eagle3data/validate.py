@@ -53,7 +53,7 @@ class ValidateJob:
     sequence: dict
     policy: str = "fail"
     threads: int = 1  # files checked at once
-    store_dir: str = ""  # files dropped once packed are restored from its packed shards first (packed.py)
+    restore_from: str = ""  # under storage.drop_packed_states the store: dropped files come back first (packed.py)
 
 
 def _tables(job: ValidateJob) -> tuple[pd.DataFrame, pd.DataFrame, list]:
@@ -99,8 +99,8 @@ def run(job: ValidateJob) -> pd.DataFrame:
         todo = extracted.drop_duplicates("sample_id")
         todo = todo[todo["sample_id"].isin(tokenized["sample_id"])
                     & ~todo["sample_id"].isin({f.sample_id for f in table})]
-        if job.store_dir:
-            restore_missing(job.store_dir, todo["sample_id"], len(job.expected.captures),
+        if job.restore_from:
+            restore_missing(job.restore_from, todo["sample_id"], len(job.expected.captures),
                             job.expected.hidden_size, job.expected.dtype)
         manifest, found = _samples(job, tokenized, todo)
     files = [job.tokenized, job.extract_manifest]
