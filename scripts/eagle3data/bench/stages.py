@@ -170,11 +170,12 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     peak = PeakBytes(run)
     peak.start()
     seconds, _ = snakemake(work, work / "config.yaml", "--cores", str(cores))
+    # The state after a stage is one of the run's states (an engine stopping may still be logging).
+    pipeline_peak = max(peak.peak, disk_bytes(run))
     # The footprint of a run with the trainer exports (not timed: figure 7 ends at the packed dataset).
     snakemake(work, work / "config.yaml", "--cores", str(cores), "export_speculators", "export_specforge")
     disk = footprint(run)
-    # The state after the run is one of the run's states (an engine stopping may still be logging).
-    peak_bytes = max(peak.stop(), disk["run_bytes"])
+    peak_bytes = max(peak.stop(), pipeline_peak, disk["run_bytes"])
     tokens = int(pc.sum(datasets.load_from_disk(str(run / "dataset")).data.table["seq_len"]).as_py())
     counts = json.loads((run / "dataset.counts.json").read_text())
     rules = {}
@@ -185,4 +186,4 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     return {"conversations": conversations, "packed": counts["packed"], "tokens": tokens, "seconds": seconds,
             "tokens_per_second": tokens / seconds, "rule_seconds": rules, "cores": cores,
             "shards": len(extract), "engine_loads": len(loads), "engine_load_seconds": sum(loads),
-            "footprint": {**disk, "peak_bytes": peak_bytes}}
+            "footprint": {**disk, "peak_bytes": peak_bytes, "pipeline_peak_bytes": pipeline_peak}}
