@@ -1,6 +1,7 @@
 """Snakemake script for rule validate: see eagle3data.validate."""
 
 from eagle3data.logs import redirect_output_to
+from eagle3data.packed import restoring
 from eagle3data.settings import Settings
 from eagle3data.validate import ValidateJob, run
 
@@ -19,6 +20,6 @@ run(
         sequence=dict(sm.params.sequence),
         policy=sm.params.policy,
         threads=sm.threads,
-        restore_from=str(settings.store_dir) if sm.config["storage"]["drop_packed_states"] else "",
+        restore_from=restoring(settings.store_dir, sm.config["storage"]),
     )
 )

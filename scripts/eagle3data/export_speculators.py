@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from eagle3data.dataset import open_dataset
-from eagle3data.exports import staging_dir, write_manifest
+from eagle3data.exports import READER_BACKEND, staging_dir, write_manifest
 from eagle3data.logs import get_logger
 from eagle3data.store import sample_path
 from eagle3data.trainers import SPECULATORS, ExportRefused, layout
@@ -50,7 +50,6 @@ from eagle3data.vocab import read_mapping
 logger = get_logger(__name__)
 
 STATES = ("files", "reader")
-READER_BACKEND = "eagle3data"  # speculators_reader.BACKEND, which imports speculators' code
 FEATURES = datasets.Features(
     {
         "input_ids": datasets.List(datasets.Value("int32")),

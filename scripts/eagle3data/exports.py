@@ -19,6 +19,9 @@ from eagle3data.store import atomic_path
 from eagle3data.trainers import ExportRefused, Layout
 
 MANIFEST_FILE = "eagle3_export.json"
+# speculators' --hidden-states-backend that reads the packed states in place (speculators_reader.py, which
+# imports speculators' code; the exports do not).
+READER_BACKEND = "eagle3data"
 
 
 @contextlib.contextmanager

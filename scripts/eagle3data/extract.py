@@ -21,7 +21,7 @@ from tqdm import tqdm
 from eagle3data import disk, engine_pool, failed_samples
 from eagle3data import engine as engine_mod
 from eagle3data.logs import get_logger
-from eagle3data.packed import restore_missing
+from eagle3data.packed import restore_missing, restoring
 from eagle3data.schemas import BoundaryError, ExtractManifest, TokenizedShard, check
 from eagle3data.states import Expected, file_facts, judge_files
 from eagle3data.store import atomic_path, atomic_write_text, make_durable, sample_path, start_syncing
@@ -79,8 +79,8 @@ def reuse_or_clear(job: ExtractJob, shard: pd.DataFrame) -> tuple[list, list]:
     damaged) is removed first: the watcher must see only the file the engine writes for this run.
     """
     paths = {sample_id: sample_path(job.store_dir, sample_id) for sample_id in shard["sample_id"]}
-    if job.storage.get("drop_packed_states"):  # what it dropped once packed; otherwise a gone file is damage
-        restore_missing(job.store_dir, shard["sample_id"], len(job.expected.captures), job.expected.hidden_size,
+    if store := restoring(job.store_dir, job.storage):
+        restore_missing(store, shard["sample_id"], len(job.expected.captures), job.expected.hidden_size,
                         job.expected.dtype)
     stored = [row for row in shard.itertuples(index=False) if paths[row.sample_id].exists()]
     problems = judge_files([file_facts(r.sample_id, str(paths[r.sample_id]), r.input_ids) for r in stored], job.expected)

@@ -39,7 +39,7 @@ from eagle3data.duplicates import packed_earlier, write_index
 from eagle3data.failures import BoundaryError, Failure, show, summary, validate
 from eagle3data.logs import get_logger
 from eagle3data.overlap import ahead
-from eagle3data.packed import drop_packed, held_elsewhere, remove_orphans, restore_missing
+from eagle3data.packed import drop_packed, held_elsewhere, remove_orphans, restore_missing, restoring
 from eagle3data.schemas import (
     SkippedShard,
     TokenizedShard,
@@ -212,13 +212,13 @@ def pack_shard(job: ShardPackJob) -> dict:
     captures_contract = sample_states_contract(tuple(c["name"] for c in meta["captures"]))
     tokenized, manifest, quarantined = _checked_shard(job.tokenized, job.states, job.quarantined,
                                                       manifest_contract, captures_contract)
-    drop = bool(job.store_dir and job.storage.get("drop_packed_states"))
-    if drop:
-        restore_missing(job.store_dir, tokenized["sample_id"], len(meta["captures"]),
-                               meta["hidden_size"], meta["dtype"])
+    seen, dup_rows = packed_earlier(job.duplicates, job.shard), []
+    store = restoring(job.store_dir, job.storage)
+    if store:  # only what this shard packs: a duplicate stays with the earlier shard
+        restore_missing(store, tokenized.loc[~tokenized["sample_id"].isin(seen), "sample_id"],
+                        len(meta["captures"]), meta["hidden_size"], meta["dtype"])
     skipped = check(SkippedShard, pd.read_parquet(job.skipped), job.skipped)
     split = _split_samples([tokenized, quarantined, skipped])
-    seen, dup_rows = packed_earlier(job.duplicates, job.shard), []
     packed, nbytes = 0, 0
     with atomic_path(job.arrow) as tmp:
         writer = ArrowWriter(features=features, path=str(tmp))
@@ -235,14 +235,14 @@ def pack_shard(job: ShardPackJob) -> dict:
                "pack_seconds": time.perf_counter() - began, "duplicates": dup_rows}
     atomic_write_text(job.summary, json.dumps(summary, indent=2))
     logger.info("packed %d samples (%.1f MB) of %s into %s", packed, nbytes / 1e6, job.tokenized, job.arrow)
-    if drop:
+    if store:
         duplicates = {d["sample_id"] for d in dup_rows}  # packed by an earlier shard, maybe not yet
         validated = manifest[manifest["sample_id"].isin(duplicates)].sort_values("slot")
-        held = held_elsewhere(job.store_dir, validated.groupby("sample_id")["checksum"].agg(list).to_dict(),
+        held = held_elsewhere(store, validated.groupby("sample_id")["checksum"].agg(list).to_dict(),
                               len(meta["captures"]), meta["hidden_size"], meta["dtype"])
-        dropped = drop_packed(job.store_dir, (set(tokenized["sample_id"]) - duplicates) | set(held))
+        dropped = drop_packed(store, (set(tokenized["sample_id"]) - duplicates) | set(held))
         logger.info("dropped %d states files from the store %s: %s holds them (storage.drop_packed_states)",
-                    dropped, job.store_dir, job.arrow)
+                    dropped, store, job.arrow)
         kill_point(f"dropped:{job.arrow}")
     return summary
 

@@ -43,6 +43,12 @@ def packed_shard_path(store_dir: str | os.PathLike, shard: str) -> Path:
     return packed_dir(store_dir) / f"shard-{shard}.arrow"
 
 
+def restoring(store_dir: str | os.PathLike, storage: dict) -> str:
+    """The store whose dropped files a job restores before reading: only under
+    storage.drop_packed_states ("" otherwise, where a gone file is damage to report)."""
+    return str(store_dir) if storage.get("drop_packed_states") else ""
+
+
 def restore_missing(store_dir: str | os.PathLike, sample_ids, n_captures: int, hidden_size: int,
                     dtype: str) -> list[str]:
     """Write back into the store, from the packed shards, the files of these samples that are missing
@@ -63,10 +69,11 @@ def drop_packed(store_dir: str | os.PathLike, sample_ids) -> int:
     """Delete the store files of samples that a durable packed shard now holds; how many there were."""
     dropped = 0
     for sample_id in sample_ids:
-        path = sample_path(store_dir, sample_id)
-        if path.exists():
-            path.unlink()
-            dropped += 1
+        try:
+            sample_path(store_dir, sample_id).unlink()
+        except FileNotFoundError:
+            continue
+        dropped += 1
     return dropped
 
 

@@ -26,9 +26,7 @@ import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
 from eagle3data.dataset import PackedDataset, open_dataset
-from eagle3data.exports import MANIFEST_FILE
-
-BACKEND = "eagle3data"
+from eagle3data.exports import MANIFEST_FILE, READER_BACKEND
 
 
 class ReaderMismatch(RuntimeError):
@@ -41,7 +39,7 @@ class PackedStatesTransfer(HiddenStatesTransfer):
     def __init__(self, export_dir: str | Path):
         self.export_dir = Path(export_dir)
         self.manifest = json.loads((self.export_dir / MANIFEST_FILE).read_text())
-        if self.manifest.get("hidden_states_backend") != BACKEND:
+        if self.manifest.get("hidden_states_backend") != READER_BACKEND:
             raise ReaderMismatch(f"{self.export_dir}: expected an export written with --states reader, "
                                  f"found hidden_states_backend {self.manifest.get('hidden_states_backend')!r}")
         self.slots = self.manifest["reader_slots"]
@@ -71,7 +69,7 @@ class PackedStatesTransfer(HiddenStatesTransfer):
         raise ReaderMismatch("the eagle3data backend reads packed states only: run with --on-missing raise")
 
 
-@HiddenStatesBackend.register(BACKEND)
+@HiddenStatesBackend.register(READER_BACKEND)
 class PackedStatesBackend(HiddenStatesBackend):
     """speculators' side: the transfer for `--data-path`, an export written with `--states reader`."""
 

@@ -53,7 +53,7 @@ class ValidateJob:
     sequence: dict
     policy: str = "fail"
     threads: int = 1  # files checked at once
-    restore_from: str = ""  # under storage.drop_packed_states the store: dropped files come back first (packed.py)
+    restore_from: str = ""  # packed.restoring: the store whose dropped files come back first
 
 
 def _tables(job: ValidateJob) -> tuple[pd.DataFrame, pd.DataFrame, list]:
