@@ -118,12 +118,12 @@ case "$what" in
   figures)  # issue 8's figures 1 and 7 through the benchmark command: 8B Llama shape (dummy weights), TP1
     step figures 1,7
     python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
-    timeout 500 python3 -m eagle3data.bench --figures 1,7 --device cuda --model /tmp/llama-8b \
-      --captures 2:input,16:input,29:input,31:output --prompts 2048 --tokens 512 --conversations 2048 \
+    timeout 570 python3 -m eagle3data.bench --figures 1,7 --device cuda --model /tmp/llama-8b \
+      --captures 2:input,16:input,29:input,31:output --prompts 2048 --tokens 512 --conversations 6144 --shards 8 \
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
       --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
-    echo "benchmark: exit $?"; tail -n 4 /tmp/figures.log
-    cat /tmp/figures.log /tmp/benchmark/*.log > "$OUT/log-figures.txt" 2>/dev/null
+    echo "benchmark: exit $?"; grep -E "^figure|^          " /tmp/figures.log; tail -n 3 /tmp/figures.log
+    cat /tmp/figures.log /tmp/benchmark/*.log /tmp/benchmark/e2e/results/bench-e2e/logs/*/*.log > "$OUT/log-figures.txt" 2>/dev/null
     df -h /tmp | tail -1; rm -rf /tmp/benchmark
     ;;
   deepseek)

@@ -44,12 +44,13 @@ class Scale:
     extract_prompts: int
     extract_tokens: int
     e2e_conversations: int
+    e2e_shards: int
     load_runs: int
 
 
 SCALES = {
-    "quick": Scale(1_000_000, 1_000, 4, 2, 16, 256, 64, 1),
-    "full": Scale(1_000_000, 5_000, 16, 3, 64, 512, 512, 3),
+    "quick": Scale(1_000_000, 1_000, 4, 2, 16, 256, 64, 2, 1),
+    "full": Scale(1_000_000, 5_000, 16, 3, 64, 512, 512, 4, 3),
 }
 
 
@@ -93,8 +94,9 @@ def extract_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
            "--tokens", str(scale.extract_tokens), "--work", str(work / "extract"), "--out", str(out)]
     run_child(cmd + (["--engine", *args.engine] if args.engine else []), work / "extract.log")
     result = json.loads(out.read_text())
+    shutil.rmtree(work / "extract", ignore_errors=True)  # its states (34 GB on a GPU) leave room for figure 7's
     e, b = result["extract"], result["bare"]
-    goal = ">= 0.95" if args.device == "cuda" else ">= 0.8"
+    goal = ">= 0.97" if args.device == "cuda" else ">= 0.8"
     return result, [judged("1", "extract", result["figures"]["extract_over_bare"], goal,
                            f"extract {e['tokens_per_second']:.0f} tok/s / bare prefill "
                            f"{b['tokens_per_second']:.0f} tok/s ({result['prompts']} x {result['tokens_per_prompt']} "
@@ -105,25 +107,31 @@ def extract_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
 
 
 def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
-    """Figure 7: a whole run's packed tokens per wall second / bare prefill tokens/s (figure 1's)."""
+    """Figure 7: a whole run's packed tokens per wall second, from its engine being ready to the packed
+    dataset, / bare prefill tokens/s (figure 1's); 10 and 11: its disk footprint with the trainer
+    exports (run only when asked for: on a GPU's disk a SpecForge copy of a large run may not fit)."""
     from eagle3data.bench.stages import measure_end_to_end
 
     bare_tps = measured["extract"]["bare"]["tokens_per_second"]
     engine = {"device": args.device, **parse_engine_args(args.engine)}
+    exports = bool({"10", "11"} & set(args.figures.split(",")))
     result = measure_end_to_end(work / "e2e", args.model, scale.e2e_conversations, engine,
-                                parse_capture_arg(args.captures), os.cpu_count())
+                                parse_capture_arg(args.captures), os.cpu_count(), scale.e2e_shards, exports)
+    figures = [judged(
+        "7", "end_to_end", result["tokens_per_second_from_engine_ready"] / bare_tps, ">= 0.85",
+        f"{result['tokens']} tokens of {result['conversations']} conversations in {result['shards']} shards "
+        f"in {result['seconds_from_engine_ready']:.1f} s from the engine ready to the packed dataset = "
+        f"{result['tokens_per_second_from_engine_ready']:.0f} tok/s / bare prefill {bare_tps:.0f} tok/s; "
+        f"the whole run {result['seconds']:.1f} s ({result['tokens'] / result['seconds'] / bare_tps:.4f}), "
+        f"of which {result['engine_loads']} engine load(s) {result['engine_load_seconds']:.1f} s")]
+    if not exports:
+        return result, figures
     disk = result["footprint"]
     gb = {k: f"{v / 1e9:.3f} GB" for k, v in disk.items()}
     where = (f"dataset {gb['dataset_bytes']}, per-sample store beyond it {gb['store_bytes']} "
              f"(storage.drop_packed_states), exports' own bytes {gb['exports_own_bytes']} (speculators: "
              f"states reader, SpecForge: files)")
-    return result, [
-        Figure("7", "end_to_end", result["tokens_per_second"] / bare_tps, "", None,
-               f"{result['tokens']} tokens of {result['conversations']} conversations in "
-               f"{result['shards']} shards in {result['seconds']:.1f} s = "
-               f"{result['tokens_per_second']:.0f} tok/s / bare prefill {bare_tps:.0f} tok/s "
-               f"(engine start included: {result['engine_loads']} load(s) for the run, "
-               f"{result['engine_load_seconds']:.1f} s)"),
+    return result, figures + [
         judged("10", "footprint_peak", disk["peak_bytes"] / disk["dataset_bytes"], "<= 1.5",
                f"the run's largest disk use {gb['peak_bytes']} (sampled each second) / the dataset's "
                f"{gb['dataset_bytes']}; before the exports {gb['pipeline_peak_bytes']}: "
@@ -207,12 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, help="figure 1's prompts (default: the scale's)")
     parser.add_argument("--tokens", type=int, help="figure 1's tokens per prompt (default: the scale's)")
     parser.add_argument("--conversations", type=int, help="figure 7's conversations (default: the scale's)")
+    parser.add_argument("--shards", type=int, help="figure 7's shards (default: the scale's)")
     parser.add_argument("--work", default="results/benchmark", help="scratch directory (emptied first)")
     parser.add_argument("--out", help="write the JSON here")
     args = parser.parse_args(argv)
     wanted = set(args.figures.split(","))
     scale = SCALES["quick" if args.quick else "full"]
-    sizes = {"extract_prompts": args.prompts, "extract_tokens": args.tokens, "e2e_conversations": args.conversations}
+    sizes = {"extract_prompts": args.prompts, "extract_tokens": args.tokens, "e2e_conversations": args.conversations,
+             "e2e_shards": args.shards}
     scale = replace(scale, **{k: v for k, v in sizes.items() if v})
     work = Path(args.work).resolve()  # the Snakemake runs below work in directories of their own
     shutil.rmtree(work, ignore_errors=True)

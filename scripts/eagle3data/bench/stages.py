@@ -149,10 +149,11 @@ def footprint(run: Path) -> dict:
 
 
 def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict, captures: list[dict],
-                       cores: int, shards: int = 2) -> dict:
+                       cores: int, shards: int, exports: bool) -> dict:
     """One whole run (tokenize, extract, validate, pack, report) of demo-like conversations in `shards`
-    shards, the model already built: tokens packed per wall second, and the engine loads it took (one:
-    the node's engine serves every shard)."""
+    shards, the model already built: tokens packed per wall second, from the start and from the moment
+    the first extract job had its engine ready, and the engine loads it took (one: the node's engine
+    serves every shard). With `exports`, then both trainer exports, for the footprint after them."""
     work.mkdir(parents=True, exist_ok=True)
     from eagle3data.model_info import read_model_info
 
@@ -169,11 +170,14 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     run = work / "results" / "bench-e2e"
     peak = PeakBytes(run)
     peak.start()
-    seconds, _ = snakemake(work, work / "config.yaml", "--cores", str(cores))
+    # As a user runs it: extract jobs at once only as many as the node's GPUs hold (the benchmark's one).
+    gpus = ["--resources", f"gpu={config['engine']['tensor_parallel_size']}"] if engine["device"] == "cuda" else []
+    seconds, _ = snakemake(work, work / "config.yaml", "--cores", str(cores), *gpus)
+    finished_at = time.time()
     # The state after a stage is one of the run's states (an engine stopping may still be logging).
     pipeline_peak = max(peak.peak, disk_bytes(run))
-    # The footprint of a run with the trainer exports (not timed: figure 7 ends at the packed dataset).
-    snakemake(work, work / "config.yaml", "--cores", str(cores), "export_speculators", "export_specforge")
+    if exports:  # the footprint of a run with the trainer exports (not timed: figure 7 ends at the dataset)
+        snakemake(work, work / "config.yaml", "--cores", str(cores), "export_speculators", "export_specforge")
     disk = footprint(run)
     peak_bytes = max(peak.stop(), pipeline_peak, disk["run_bytes"])
     tokens = int(pc.sum(datasets.load_from_disk(str(run / "dataset")).data.table["seq_len"]).as_py())
@@ -183,7 +187,9 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
         rules[str(tsv.relative_to(run / "benchmarks"))] = float(pd.read_csv(tsv, sep="\t")["s"].iloc[0])
     extract = [json.loads(p.read_text()) for p in sorted((run / "extract").glob("*.stats.json"))]
     loads = [s["engine_load_seconds"] for s in extract if s.get("engine_loaded_here")]
+    from_ready = finished_at - min(s["engine_ready_at"] for s in extract)
     return {"conversations": conversations, "packed": counts["packed"], "tokens": tokens, "seconds": seconds,
-            "tokens_per_second": tokens / seconds, "rule_seconds": rules, "cores": cores,
+            "tokens_per_second": tokens / seconds, "seconds_from_engine_ready": from_ready,
+            "tokens_per_second_from_engine_ready": tokens / from_ready, "rule_seconds": rules, "cores": cores,
             "shards": len(extract), "engine_loads": len(loads), "engine_load_seconds": sum(loads),
             "footprint": {**disk, "peak_bytes": peak_bytes, "pipeline_peak_bytes": pipeline_peak}}
