@@ -37,7 +37,8 @@ def test_kimi_defaults_give_what_the_formulas_imply(capsys):
     extraction = max(tokens / extract_rate, (states + 3 * behind) / disk)
     last_validate = states / shards / min(1.70e9, disk)
     pack = max(states / 0.95e9, 2 * states / disk)
-    wall = tokens / shards / 25_600 + 22 * 60 + extraction + last_validate + pack / shards
+    # Each of the 300 extract jobs holds the one engine's GPUs 10 s beyond its engine work.
+    wall = tokens / shards / 25_600 + 22 * 60 + shards * 10.0 + extraction + last_validate + pack / shards
 
     result = projection(capsys)
     assert result["tokens"] == tokens and result["shards"] == shards and result["engine_starts"] == 1
@@ -71,7 +72,11 @@ def test_slower_disk_lowers_the_share_and_the_bound_names_it(capsys):
     default = projection(capsys)
     slow = projection(capsys, "--disk-gbps", "0.5")
     assert fast["gpu_busy_share"] > default["gpu_busy_share"] > slow["gpu_busy_share"]
-    assert "disk" not in fast["bound"] and fast["bound"].startswith("engine starts")
+    # With the disk out of the way, 300 extract jobs' 10 s each (3,000 s) outweigh the engine's start.
+    assert "disk" not in fast["bound"] and fast["bound"].startswith("extract jobs' own start and end")
+    without_jobs = projection(capsys, "--disk-gbps", "100", "--job-overhead-s", "0")
+    assert without_jobs["bound"].startswith("engine starts")
+    assert without_jobs["gpu_busy_share"] > fast["gpu_busy_share"]
     assert "disk" in slow["bound"]
 
 

@@ -25,6 +25,8 @@ The model (assumed, not measured, unless a rate says so):
 - One disk of R GB/s shared by every read and write at once. Extract writes every state byte while
   validate reads the previous shard's and pack reads and writes the one before (rule pack_shard):
   extraction takes max(tokens / extract rate, (written + validated + packed bytes) / R).
+- Each extract job holds its engine's GPUs for its whole life (Snakemake's `gpu` resource) and
+  keeps them idle while it starts, prepares and ends (`--job-overhead-s`; measured on the H200).
 - On the critical path, GPUs idle: the first shard's tokenize (the first extract needs it; the other
   tokenize jobs run beside it or beside extraction), the engine starts, the last shard's validate
   (its bytes / min(validate rate, R)), the last shard's pack after it (reads and writes its state bytes:
@@ -55,6 +57,9 @@ VALIDATE_GBPS = 1.70
 PACK_GBPS = 0.95
 # Figure 7's tokenize rule on the H200: 358,230 tokens in 13.98 s, imports included, demo tokenizer.
 TOKENIZE_TPS = 25_600
+# Figure 7 on the H200 at 1M tokens (docs/gpu-run.md, tenth session): an extract job took 13-14 s of which
+# the engine worked ~3.5 s; the rest (its process, imports, shard read and checks, manifest) holds the GPUs.
+JOB_OVERHEAD_SECONDS = 10.0
 ENGINE_START_SECONDS = 22 * 60  # Kimi-K2.5 on 8 GPUs: 20-24 minutes (stated, config/kimi-k2.5.yaml)
 GOAL = 0.85
 
@@ -75,6 +80,7 @@ class Node:
     disk_gbps: float
     engine_start_seconds: float
     engine_starts: int | None  # per engine; None: one per shard
+    job_overhead_seconds: float  # per extract job, GPUs held but idle
     checkpoint_gb: float
     tokenize_tps: float
     validate_gbps: float
@@ -102,6 +108,7 @@ def project(node: Node) -> dict:
     extraction_disk_bytes = states + behind + 2 * behind  # written; validated and packed behind it
     extraction_phase = max(extraction, extraction_disk_bytes / disk)
     start_seconds = starts * node.engine_start_seconds
+    jobs_idle = math.ceil(shards / engines) * node.job_overhead_seconds
     first_tokenize = tokens / shards / node.tokenize_tps
     validate = states / min(node.validate_gbps * 1e9, disk)
     pack = max(states / (node.pack_gbps * 1e9), 2 * states / disk)
@@ -109,6 +116,7 @@ def project(node: Node) -> dict:
     set_by = {
         "tokenize": f"CPU: {node.tokenize_tps:,.0f} tok/s a job",
         "engine start": f"{starts} x {node.engine_start_seconds:,.0f} s, each reading the checkpoint",
+        "extract jobs": f"{math.ceil(shards / engines)} jobs an engine x {node.job_overhead_seconds:.1f} s each",
         "extract": slower(extraction, f"GPU: {node.extract_over_bare:.3f} of bare prefill",
                           extraction_disk_bytes / disk, f"{extraction_disk_bytes / 1e12:.2f} TB written, "
                           "validated and packed", node.disk_gbps),
@@ -129,6 +137,7 @@ def project(node: Node) -> dict:
     losses = {  # wall = busy + these
         "tokenize of the first shard": (first_tokenize, set_by["tokenize"]),
         "engine starts": (start_seconds, set_by["engine start"]),
+        "extract jobs' own start and end": (jobs_idle, set_by["extract jobs"]),
         "extraction below bare prefill": (extraction - busy, f"{node.extract_over_bare:.3f} of bare prefill"),
         "disk during extraction": (extraction_phase - extraction, set_by["extract"]),
         "validate of the last shard": (validate / shards, set_by["validate"]),
@@ -215,6 +224,8 @@ def node_from_args(args: argparse.Namespace) -> tuple[Node, dict]:
         tensor_parallel=args.tp, prefill_tps=prefill, extract_over_bare=extract_over_bare,
         disk_gbps=disk_gbps, engine_start_seconds=start,
         engine_starts=None if args.engine_starts == "per-shard" else int(args.engine_starts),
+        job_overhead_seconds=rate("job_overhead_s", JOB_OVERHEAD_SECONDS,
+                                  "measured, figure 7's extract jobs on the H200 (tenth session)"),
         checkpoint_gb=args.checkpoint_gb,
         tokenize_tps=rate("tokenize_tps", TOKENIZE_TPS, "measured, figure 7's tokenize rule on the H200"),
         validate_gbps=rate("validate_gbps", VALIDATE_GBPS, "measured, figure 2 on the CPU machine"),
@@ -234,6 +245,7 @@ def print_projection(node: Node, sources: dict, result: dict, compared: dict) ->
     print(f"extract {node.extract_over_bare:.3f} of it: {sources['extract_over_bare']}")
     print(f"disk {node.disk_gbps:.2f} GB/s, reads and writes together: {sources['disk_gbps']}")
     print(f"engine start {node.engine_start_seconds:,.0f} s: {sources['engine_start_seconds']}")
+    print(f"extract job {node.job_overhead_seconds:.1f} s beyond its engine work: {sources['job_overhead_s']}")
     print(f"tokenize {node.tokenize_tps:,.0f} tok/s a job: {sources['tokenize_tps']}")
     print(f"validate {node.validate_gbps:.2f} GB/s a job: {sources['validate_gbps']}")
     print(f"pack {node.pack_gbps:.2f} GB/s: {sources['pack_gbps']}")
@@ -275,6 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--disk-gbps", type=float, help=f"the disk's rate R, GB/s (default: {H200_STORE_GBPS})")
     p.add_argument("--engine-starts", default="1", help="per engine, or per-shard (default: %(default)s)")
     p.add_argument("--engine-start-seconds", type=float, help=f"default: {ENGINE_START_SECONDS}")
+    p.add_argument("--job-overhead-s", type=float,
+                   help=f"an extract job's seconds with the GPUs idle (default: {JOB_OVERHEAD_SECONDS})")
     p.add_argument("--checkpoint-gb", type=float, default=540, help="default: %(default)s")
     p.add_argument("--engine-fixed-seconds", type=float,
                    help="instead of --engine-start-seconds: a start is checkpoint / read rate + this")
