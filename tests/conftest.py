@@ -16,26 +16,16 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 DEMO_CONVERSATIONS = REPO / "data" / "demo" / "conversations.jsonl"
 
 
-# Under pytest-xdist's two workers (pyproject.toml): the modules that start the local SLURM cluster
-# share a worker (one cluster at a time), and the longest modules are handed out first, so that the two
-# workers finish together (measured durations, CI machine).
-SLURM_MODULES = ("test_slurm_cluster", "test_slurm_pipeline")
-LONGEST_FIRST = ("test_incremental", "slurm", "test_benchmark", "test_acceptance", "test_regenerate",
-                 "test_corruption_catalogue", "test_validation", "test_real_model")
+# Under pytest-xdist's two workers (pyproject.toml: `--dist loadfile`, a module's tests in one worker, so
+# its module fixtures are built once), the longest modules are handed out first, so that the two workers
+# finish together (measured durations, CI machine). The SLURM modules take turns: slurm_cluster.py.
+LONGEST_FIRST = ("test_incremental", "test_slurm_pipeline", "test_benchmark", "test_acceptance",
+                 "test_regenerate", "test_corruption_catalogue", "test_validation", "test_real_model")
 
 
-def worker_group(item: pytest.Item) -> str:
-    module = Path(str(item.fspath)).stem
-    return "slurm" if module in SLURM_MODULES else module
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each module's tests run in one worker (its module fixtures are built once), in the order above."""
-    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(worker_group(item), len(rank)))
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(rank)))
 
 
 def demo_config(**overrides) -> dict:

@@ -9,9 +9,11 @@ when SLURM is not installed (or we are not root); callers may turn that into a s
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +23,9 @@ SCRIPT = REPO / ".ci" / "slurm.sh"
 ALLOW_SKIP_ENV = "EAGLE3_ALLOW_SKIP_SLURM"
 DAEMONS = ("/usr/sbin/munged", "/usr/sbin/slurmctld", "/usr/sbin/slurmd")
 CLIENTS = ("sbatch", "squeue", "sinfo", "scancel")
+# The daemons are the machine's (munge's socket, the ports): one local cluster at a time, whichever test
+# process (pytest-xdist worker, another session) starts it.
+LOCK = Path(tempfile.gettempdir()) / "eagle3data-local-slurm.lock"
 
 
 class SlurmUnavailable(RuntimeError):
@@ -53,7 +58,14 @@ def local_slurm(tmp_dir: str | Path) -> Iterator[Path]:
     reason = unavailable_reason()
     if reason:
         raise SlurmUnavailable(reason)
-    state = Path(tmp_dir) / "slurm"
+    with open(LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, the cluster stopped
+        with _started(Path(tmp_dir) / "slurm") as conf:
+            yield conf
+
+
+@contextlib.contextmanager
+def _started(state: Path) -> Iterator[Path]:
     started = _run("start", state)
     if started.returncode != 0:
         _run("stop", state)  # start cleans up after itself; this is a second safety net
