@@ -1,4 +1,5 @@
-"""Each extract job claims GPUs of its own when it sees more than it asked for (local runs).
+"""Each job claims GPUs of its own on a local run (SLURM jobs that see exactly theirs need not), and
+extract jobs beyond the node's GPUs queue for its engine.
 
 Real processes, as Snakemake starts jobs: each calls `start_job` and reports the CUDA_VISIBLE_DEVICES it
 ended with. GPU names are fresh UUID-style ids, so the lock files never meet those of real jobs.
@@ -6,6 +7,7 @@ ended with. GPU names are fresh UUID-style ids, so the lock files never meet tho
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import socket
@@ -14,6 +16,7 @@ import sys
 import uuid
 
 import pytest
+from conftest import demo_config, run_snakemake
 
 from eagle3data import jobinfo
 
@@ -99,3 +102,22 @@ def test_clear_errors(monkeypatch):
     monkeypatch.setattr(jobinfo, "NVIDIA_GPUS", jobinfo.Path("/nonexistent"))
     with pytest.raises(jobinfo.GpuClaimError, match="lists none and CUDA_VISIBLE_DEVICES is unset"):
         jobinfo.start_job(1)
+
+
+@pytest.mark.slow
+def test_extract_jobs_beyond_the_gpus_queue_for_the_engine_on_them(tmp_path, tiny_deepseek, gpus, monkeypatch):
+    """Snakemake without `--resources gpu=1` runs the demo's three extract jobs side by side, each asking
+    for the one GPU there is (`engine.cpu_job_gpus: 1`: the CPU engine computes without it, but claims it
+    as a GPU engine would). The first job starts the engine on it; the others wait for that engine
+    instead of starting engines of their own on a GPU in use, and it serves each in turn."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpus[0])
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    config = demo_config(engine={"cpu_job_gpus": 1}, model={"path": str(tiny_deepseek), "build_demo": False})
+    extracted = [f"results/demo/extract/shard-{i:05d}.parquet" for i in range(3)]
+    run_snakemake(tmp_path, "--cores", "6", *extracted, config=config)  # extract's 2 threads: 3 jobs at once
+    logs = [p.read_text() for p in sorted((tmp_path / "results/demo/logs/extract").glob("*.log"))]
+    assert sum(log.count("starting engine ") for log in logs) == 1, [log[-1500:] for log in logs]
+    assert sum("waiting for a free engine of these settings or 1 free GPUs" in log for log in logs) >= 1
+    every = [json.loads(p.read_text()) for p in sorted((tmp_path / "results/demo/extract").glob("*.stats.json"))]
+    assert len({s["engine_id"] for s in every}) == 1
+    assert sorted(s["engine_shards_served"] for s in every) == [1, 2, 3]

@@ -5,7 +5,8 @@ captures, store, batching...), hashed into a key. The node's servers are listed 
 scoped to the node and the SLURM allocation (`jobinfo.node_scope`): one entry file per ready server and
 a lock file (`<id>.busy`) that a job holds for as long as it uses that server, so each server serves one
 job at a time. A job takes a free server of its key; if there is none, it starts one (claiming its GPUs
-first, stopping idle servers of other settings that hold them) and holds it. Data-parallel jobs (several
+first, stopping idle servers of other settings that hold them) and holds it; when the GPUs are held by
+servers in use, it waits for one of them (or for the GPUs) to be free. Data-parallel jobs (several
 TP-1 engines on one node) thus each get a server of their own, and a job that follows reuses a server
 whose previous job has finished. A server whose process died is found by its failed connection and
 removed from the registry.
@@ -36,7 +37,7 @@ from eagle3data.testing import KILL_ENGINE_ENV
 logger = get_logger(__name__)
 
 LOG_REPLY_BYTES = 1 << 20  # at most this much of a server's log comes back with one request
-POLL_S = 0.2  # how often a starting job looks for its server's entry
+POLL_S = 0.2  # how often a starting job looks for its server's entry, a waiting one for an engine
 STOP_WAIT_S = 120.0  # how long a stopped server may take to exit before it is killed
 
 
@@ -129,8 +130,32 @@ class RemoteEngine:
 
 def acquire(kwargs: dict, cpu_kv_cache_gib: int, captures: list[dict], keep_alive_s: float,
             gpus: int, run_dir: str, started_by: str) -> RemoteEngine:
-    """A server with exactly these settings, held by this job: a free one of the node, else a new one."""
+    """A server with exactly these settings, held by this job: a free one of the node, else a new one on
+    GPUs claimed for it. While neither can be had (busy servers hold the GPUs, or a server of these
+    settings is still starting on them) the job waits and looks again: jobs started side by side beyond
+    the node's GPUs (Snakemake without `--resources gpu=N`) queue for its engines instead of starting
+    engines on GPUs in use."""
     key = engine_key(kwargs, cpu_kv_cache_gib)
+    spec = {"kwargs": kwargs, "cpu_kv_cache_gib": cpu_kv_cache_gib, "captures": captures,
+            "keep_alive_s": keep_alive_s}
+    among = jobinfo.gpus_to_claim(gpus)
+    waiting = False
+    while (engine := take_free(key)) is None:
+        if gpus:
+            stop_idle(lambda e: e.key != key)  # idle servers of other settings may hold the GPUs needed
+        claimed = None if among is None else jobinfo.try_claim_gpus(gpus, among, jobinfo.gpu_lock_scope())
+        if among is None or claimed is not None:
+            return start_server(key, spec, claimed, run_dir, started_by)
+        if not waiting:
+            logger.info("waiting for a free engine of these settings or %d free GPUs of %s (engines in use "
+                        "hold them)", gpus, among)
+            waiting = True
+        time.sleep(POLL_S)
+    return engine
+
+
+def take_free(key: str) -> RemoteEngine | None:
+    """A ready server of this key that no job holds, now held by this job; None if there is none."""
     for entry in entries():
         if entry.key != key or (busy := try_lock(Path(entry.busy))) is None:
             continue
@@ -142,16 +167,13 @@ def acquire(kwargs: dict, cpu_kv_cache_gib: int, captures: list[dict], keep_aliv
         logger.info("engine %s on %s (loaded in %.1f s by %s) is free: this job uses it; its log: %s",
                     entry.id, entry.node, entry.start_seconds, entry.started_by, entry.log)
         return RemoteEngine(entry, busy, conn, loaded_here=False)
-    if gpus:
-        stop_idle(lambda e: e.key != key)  # idle servers of other settings may hold the GPUs needed
-    spec = {"kwargs": kwargs, "cpu_kv_cache_gib": cpu_kv_cache_gib, "captures": captures,
-            "keep_alive_s": keep_alive_s}
-    return start_server(key, spec, gpus, run_dir, started_by)
+    return None
 
 
-def start_server(key: str, spec: dict, gpus: int, run_dir: str, started_by: str) -> RemoteEngine:
-    """Start a server on this job's GPUs (claimed here, held by the server) and wait until it is ready."""
-    claimed = jobinfo.claim_job_gpus(gpus)
+def start_server(key: str, spec: dict, claimed: dict[str, BinaryIO] | None, run_dir: str,
+                 started_by: str) -> RemoteEngine:
+    """Start a server on the GPUs claimed for it (None: those visible), which it holds from then on, and
+    wait until it is ready."""
     server_id = f"{key[:8]}-{secrets.token_hex(4)}"
     scope = registry()
     log_dir = Path(run_dir) / "logs" / "engine"

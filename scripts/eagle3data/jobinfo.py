@@ -42,13 +42,26 @@ def node_scope() -> str:
     return f"{socket.gethostname()}-{os.environ.get('SLURM_JOB_ID') or 'local'}"
 
 
-def claim_job_gpus(gpus: int) -> dict[str, BinaryIO] | None:
-    """Lock `gpus` GPUs among those visible when more are visible (a local run); GPU -> held lock file.
-    None when there is nothing to claim: no GPUs asked for, or the job sees exactly its own (SLURM)."""
-    visible = visible_gpus(os.environ.get("SLURM_JOB_ID")) if gpus else []
-    if len(visible) == gpus:
+def gpus_to_claim(gpus: int) -> list[str] | None:
+    """The visible GPUs among which a job must lock its `gpus` before it uses them. None when there is
+    nothing to claim: no GPUs asked for, or a SLURM job that sees exactly its own (SLURM bound them to it).
+    A local run claims even when it sees exactly as many as it asks for: another job may be using them."""
+    if not gpus:
         return None
-    return claim_gpus(gpus, visible, LOCK_ROOT / node_scope())
+    slurm_job = os.environ.get("SLURM_JOB_ID")
+    visible = visible_gpus(slurm_job)
+    return None if slurm_job and len(visible) == gpus else visible
+
+
+def gpu_lock_scope() -> Path:
+    return LOCK_ROOT / node_scope()
+
+
+def claim_job_gpus(gpus: int) -> dict[str, BinaryIO] | None:
+    """Lock `gpus` GPUs among those to claim (gpus_to_claim), waiting while other jobs hold them; GPU ->
+    held lock file. None when there is nothing to claim."""
+    among = gpus_to_claim(gpus)
+    return None if among is None else claim_gpus(gpus, among, gpu_lock_scope())
 
 
 def start_job(gpus: int, claim: bool = True) -> None:
@@ -95,24 +108,30 @@ def try_lock(path: Path) -> BinaryIO | None:
     return handle
 
 
-def claim_gpus(n: int, visible: list[str], scope: Path) -> dict[str, BinaryIO]:
-    """Lock `n` of `visible` under `scope`, waiting while other jobs hold them; GPU -> open lock file."""
+def try_claim_gpus(n: int, visible: list[str], scope: Path) -> dict[str, BinaryIO] | None:
+    """Lock `n` of `visible` under `scope` now, all or nothing; GPU -> open lock file, or None."""
     if n > len(visible):
         raise GpuClaimError(f"this job asks for {n} GPUs, only {len(visible)} are visible: {visible}")
     scope.mkdir(parents=True, exist_ok=True)
+    held: dict[str, BinaryIO] = {}
+    for gpu in visible:
+        lock = try_lock(scope / re.sub(r"[^A-Za-z0-9_.-]", "_", f"gpu-{gpu}"))
+        if lock is None:
+            continue
+        held[gpu] = lock
+        if len(held) == n:
+            return held
+    for lock in held.values():  # two half-served jobs must not wait on each other
+        lock.close()
+    return None
+
+
+def claim_gpus(n: int, visible: list[str], scope: Path) -> dict[str, BinaryIO]:
+    """Lock `n` of `visible` under `scope`, waiting while other jobs hold them; GPU -> open lock file."""
     waited = False
-    while True:
-        held: dict[str, BinaryIO] = {}
-        for gpu in visible:
-            lock = try_lock(scope / re.sub(r"[^A-Za-z0-9_.-]", "_", f"gpu-{gpu}"))
-            if lock is None:
-                continue
-            held[gpu] = lock
-            if len(held) == n:
-                return held
-        for lock in held.values():  # all or nothing: two half-served jobs must not wait on each other
-            lock.close()
+    while (held := try_claim_gpus(n, visible, scope)) is None:
         if not waited:
             logger.info("waiting for %d free GPUs of %s (other jobs hold them; locks in %s)", n, visible, scope)
             waited = True
         time.sleep(POLL_S)
+    return held
