@@ -37,6 +37,7 @@ rule export_specforge:
     params:
         model_path=config["model"]["path"],
         layer_ids=config["export"]["specforge"]["layer_ids"],
+        states=config["export"]["specforge"]["states"],
     message:
         "Exporting {input.dataset} for SpecForge to {output.export}"
     script:

@@ -11,4 +11,5 @@ export(
     model_path=sm.params.model_path,
     vocab_mapping=sm.input.mapping,
     layer_ids=sm.params.layer_ids,
+    states=sm.params.states,
 )

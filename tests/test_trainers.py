@@ -194,6 +194,45 @@ def test_specforge_offline_reader_reads_exactly_the_packed_tensors(exported):
                        torch.load(run / RUN / "vocab_mapping.pt")["d2t"])
 
 
+def test_the_specforge_reader_export_holds_pointers_and_specforge_reads_the_packed_rows(exported, tmp_path):
+    """export.specforge.states: reader. Through eagle3data.specforge_reader, SpecForge's own offline reader,
+    feature store and loader yield from the pointer export exactly the batches they yield from the files
+    export, and SpecForge counts the same tokens for its draft vocabulary."""
+    from specforge.algorithms.eagle3.data import build_offline_collator, build_offline_normalizer
+    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+    from specforge.training.vocab_mapping import count_effective_feature_tokens
+
+    from eagle3data.specforge_reader import install
+
+    run, _ = exported
+    reader, files = tmp_path / "reader", run / RUN / "export" / "specforge"
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3data.export_specforge", f"{RUN}/dataset", str(reader), "--model", MODEL,
+         "--vocab-mapping", f"{RUN}/vocab_mapping.pt", "--states", "reader"],
+        capture_output=True, text=True, timeout=300, cwd=run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dataset_bytes = sum(p.stat().st_size for p in (run / RUN / "dataset").glob("*.arrow"))
+    assert sum(p.stat().st_size for p in reader.rglob("*") if p.is_file()) < 0.1 * dataset_bytes
+    install()
+
+    def batches(export: Path) -> dict:
+        features = str(export / "hidden_states")
+        refs = OfflineManifestReader(features, run_id="t", max_len=512, validate_files=True).read()
+        loader = FeatureDataLoader(LocalFeatureStore("t"), refs=refs, collate_fn=build_offline_collator(),
+                                   per_sample_transform=build_offline_normalizer(512), strategy="eagle3")
+        return {batch.sample_ids[0]: batch.tensors for batch in loader}
+
+    expected, found = batches(files), batches(reader)
+    assert len(found) == len(expected) == len(open_dataset(run / RUN / "dataset"))
+    for sample, tensors in expected.items():
+        got = found[sample]
+        assert got.keys() == tensors.keys() and all(torch.equal(got[k], tensors[k]) for k in tensors), sample
+    assert count_effective_feature_tokens(str(reader / "hidden_states"), target_vocab_size=950) == \
+        count_effective_feature_tokens(str(files / "hidden_states"), target_vocab_size=950)
+
+
 def export_cli(run: Path, trainer: str, out: Path, *layer_ids: int) -> subprocess.CompletedProcess:
     extra = (["--token-freq", f"{RUN}/token_freq.pt"] if trainer == "speculators" else ["--model", MODEL])
     return subprocess.run(

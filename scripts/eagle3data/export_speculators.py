@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from eagle3data.dataset import open_dataset
-from eagle3data.exports import READER_BACKEND, staging_dir, write_manifest
+from eagle3data.exports import READER_BACKEND, STATES, check_states, staging_dir, write_manifest
 from eagle3data.logs import get_logger
 from eagle3data.store import sample_path
 from eagle3data.trainers import SPECULATORS, ExportRefused, layout
@@ -49,7 +49,6 @@ from eagle3data.vocab import read_mapping
 
 logger = get_logger(__name__)
 
-STATES = ("files", "reader")
 FEATURES = datasets.Features(
     {
         "input_ids": datasets.List(datasets.Value("int32")),
@@ -97,8 +96,7 @@ def export(dataset_path: str | Path, out: str | Path, token_freq: str | Path, vo
            layer_ids: list[int] | None = None, store_dir: str | Path | None = None, states: str = "files") -> dict:
     """Write the speculators layout of the packed dataset at `dataset_path` to `out`; return its manifest.
     `states`: "files" (hs_{i}.safetensors, linked or written) or "reader" (none: speculators_reader.py)."""
-    if states not in STATES:
-        raise ExportRefused(f"--states: expected one of {STATES}, found {states!r}")
+    check_states(states)
     ds = open_dataset(Path(dataset_path).resolve())  # the manifest names it for the reader, from anywhere
     lay = layout(SPECULATORS, ds.metadata, layer_ids)
     slots = [*lay.aux_slots, lay.final_slot]

@@ -19,9 +19,18 @@ from eagle3data.store import atomic_path
 from eagle3data.trainers import ExportRefused, Layout
 
 MANIFEST_FILE = "eagle3_export.json"
-# speculators' --hidden-states-backend that reads the packed states in place (speculators_reader.py, which
-# imports speculators' code; the exports do not).
+# How an export holds the states: written out as the trainer reads them, or read from the packed dataset
+# by this project's reader for that trainer (speculators_reader.py, specforge_reader.py: they import the
+# trainers' code; the exports do not).
+STATES = ("files", "reader")
+# speculators' --hidden-states-backend that reads the packed states in place; also the manifest's
+# `hidden_states_backend` of every reader export.
 READER_BACKEND = "eagle3data"
+
+
+def check_states(states: str) -> None:
+    if states not in STATES:
+        raise ExportRefused(f"--states: expected one of {STATES}, found {states!r}")
 
 
 @contextlib.contextmanager

@@ -129,8 +129,8 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
     disk = result["footprint"]
     gb = {k: f"{v / 1e9:.3f} GB" for k, v in disk.items()}
     where = (f"dataset {gb['dataset_bytes']}, per-sample store beyond it {gb['store_bytes']} "
-             f"(storage.drop_packed_states), exports' own bytes {gb['exports_own_bytes']} (speculators: "
-             f"states reader, SpecForge: files)")
+             f"(storage.drop_packed_states), exports' own bytes {gb['exports_own_bytes']} (both with "
+             f"states: reader)")
     return result, figures + [
         judged("10", "footprint_peak", disk["peak_bytes"] / disk["dataset_bytes"], "<= 1.5",
                f"the run's largest disk use {gb['peak_bytes']} (sampled each second) / the dataset's "

@@ -165,7 +165,8 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
                            num_hidden_layers=info.num_hidden_layers)
     config["engine"].update(engine)
     config["storage"] = {"drop_packed_states": True}  # as config/kimi-k2.5.yaml: one copy of the states
-    config["export"] = {"speculators": {"states": "reader"}}  # the trainer reads the packed states in place
+    # The trainers read the packed states in place (speculators_reader.py, specforge_reader.py).
+    config["export"] = {"speculators": {"states": "reader"}, "specforge": {"states": "reader"}}
     (work / "config.yaml").write_text(yaml.safe_dump(config))
     run = work / "results" / "bench-e2e"
     peak = PeakBytes(run)
