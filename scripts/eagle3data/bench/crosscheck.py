@@ -80,6 +80,7 @@ def parse_engine_args(items: list[str]) -> dict:
 
 
 def main() -> None:
+    from eagle3data import engine_pool
     from eagle3data.extract import ExtractJob, run
     from eagle3data.model_info import read_model_info
     from eagle3data.settings import engine_config
@@ -113,9 +114,13 @@ def main() -> None:
     work = Path(args.work)
     write_token_shard(str(work / "shard.parquet"), prompts)
     engine = engine_config({"device": args.device, **parse_engine_args(args.engine)})
-    run(ExtractJob(str(work / "shard.parquet"), str(work / "manifest.parquet"), str(work / "stats.json"),
-                   str(work / "store"), args.model, False, Expected(captures, info.hidden_size, args.dtype),
-                   args.tokens, engine))
+    job = ExtractJob(str(work / "shard.parquet"), str(work / "manifest.parquet"), str(work / "stats.json"),
+                     str(work / "store"), args.model, False, Expected(captures, info.hidden_size, args.dtype),
+                     args.tokens, engine)
+    try:
+        run(job)
+    finally:  # a one-off job: its engine would otherwise idle for keep_alive_s, holding memory or GPUs
+        engine_pool.stop_idle_of_run(str(job.run_dir))
     rows = []
     for sid in prompts:
         got = load_file(str(sample_path(work / "store", sid)))["hidden_states"]
