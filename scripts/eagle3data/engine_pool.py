@@ -37,7 +37,7 @@ from eagle3data.testing import KILL_ENGINE_ENV
 logger = get_logger(__name__)
 
 LOG_REPLY_BYTES = 1 << 20  # at most this much of a server's log comes back with one request
-POLL_S = 0.2  # how often a starting job looks for its server's entry, a waiting one for an engine
+POLL_S = 0.2  # how often a starting job looks for its server's entry
 STOP_WAIT_S = 120.0  # how long a stopped server may take to exit before it is killed
 
 
@@ -150,7 +150,7 @@ def acquire(kwargs: dict, cpu_kv_cache_gib: int, captures: list[dict], keep_aliv
             logger.info("waiting for a free engine of these settings or %d free GPUs of %s (engines in use "
                         "hold them)", gpus, among)
             waiting = True
-        time.sleep(POLL_S)
+        time.sleep(jobinfo.POLL_S)
     return engine
 
 

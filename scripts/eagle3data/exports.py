@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from eagle3data.dataset import PackedDataset
+from eagle3data.dataset import PackedDataset, open_dataset
 from eagle3data.store import atomic_path
 from eagle3data.trainers import ExportRefused, Layout
 
@@ -31,6 +31,32 @@ READER_BACKEND = "eagle3data"
 def check_states(states: str) -> None:
     if states not in STATES:
         raise ExportRefused(f"--states: expected one of {STATES}, found {states!r}")
+
+
+class ReaderMismatch(RuntimeError):
+    """A reader export that is not one, or whose packed dataset is no longer the one exported."""
+
+
+def read_reader_manifest(export_dir: Path) -> dict:
+    """The manifest of an export written with --states reader (refused otherwise)."""
+    manifest = json.loads((export_dir / MANIFEST_FILE).read_text())
+    if manifest.get("hidden_states_backend") != READER_BACKEND:
+        raise ReaderMismatch(f"{export_dir}: expected an export written with --states reader, found "
+                             f"hidden_states_backend {manifest.get('hidden_states_backend')!r}")
+    return manifest
+
+
+def open_exported_dataset(export_dir: Path, manifest: dict) -> PackedDataset:
+    """The packed dataset a reader export was made from, refused when its fingerprint or sample count
+    is not the exported one."""
+    source = manifest["source"]
+    ds = open_dataset(source["dataset"])
+    found = (ds.metadata["fingerprint"], len(ds))
+    if found != (source["fingerprint"], manifest["samples"]):
+        raise ReaderMismatch(
+            f"{export_dir}: made from {source['dataset']} with fingerprint {source['fingerprint']} and "
+            f"{manifest['samples']} samples, found {found[0]} and {found[1]}: export again")
+    return ds
 
 
 @contextlib.contextmanager

@@ -17,41 +17,24 @@ disaggregated modes. Written against specforge 0.2.0 (pinned in envs/setup.sh).
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 from pathlib import Path
 
 import torch
 
-from eagle3data.dataset import PackedDataset, open_dataset
 from eagle3data.export_specforge import FINAL_NORM_FILE, POINTER_KEY, features
-from eagle3data.exports import MANIFEST_FILE, READER_BACKEND
+from eagle3data.exports import open_exported_dataset, read_reader_manifest
 from eagle3data.final_norm import FinalNorm
-
-
-class ReaderMismatch(RuntimeError):
-    pass
 
 
 class PackedFeatures:
     """Row i's SpecForge features, from the packed dataset a reader export was made from."""
 
     def __init__(self, export_dir: Path):
-        self.export_dir = export_dir
-        self.manifest = json.loads((export_dir / MANIFEST_FILE).read_text())
-        if self.manifest.get("hidden_states_backend") != READER_BACKEND:
-            raise ReaderMismatch(f"{export_dir}: expected an export written with --states reader, found "
-                                 f"hidden_states_backend {self.manifest.get('hidden_states_backend')!r}")
+        self.manifest = read_reader_manifest(export_dir)
         self.norm = FinalNorm(**torch.load(export_dir / FINAL_NORM_FILE, weights_only=True))
-        source = self.manifest["source"]
-        ds = open_dataset(source["dataset"])
-        found = (ds.metadata["fingerprint"], len(ds))
-        if found != (source["fingerprint"], self.manifest["samples"]):
-            raise ReaderMismatch(
-                f"{export_dir}: made from {source['dataset']} with fingerprint {source['fingerprint']} and "
-                f"{self.manifest['samples']} samples, found {found[0]} and {found[1]}: export again")
-        self.dataset: PackedDataset = ds
+        self.dataset = open_exported_dataset(export_dir, self.manifest)
 
     def __call__(self, row: int) -> dict:
         return features(self.dataset[row], self.manifest["aux_slots"], self.manifest["reader_final_slot"],

@@ -18,19 +18,14 @@ eagle3data` does that and runs the trainer (`eagle3data.bench.speculators_cpu` i
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
-from eagle3data.dataset import PackedDataset, open_dataset
-from eagle3data.exports import MANIFEST_FILE, READER_BACKEND
-
-
-class ReaderMismatch(RuntimeError):
-    pass
+from eagle3data.dataset import PackedDataset
+from eagle3data.exports import READER_BACKEND, ReaderMismatch, open_exported_dataset, read_reader_manifest
 
 
 class PackedStatesTransfer(HiddenStatesTransfer):
@@ -38,24 +33,14 @@ class PackedStatesTransfer(HiddenStatesTransfer):
 
     def __init__(self, export_dir: str | Path):
         self.export_dir = Path(export_dir)
-        self.manifest = json.loads((self.export_dir / MANIFEST_FILE).read_text())
-        if self.manifest.get("hidden_states_backend") != READER_BACKEND:
-            raise ReaderMismatch(f"{self.export_dir}: expected an export written with --states reader, "
-                                 f"found hidden_states_backend {self.manifest.get('hidden_states_backend')!r}")
+        self.manifest = read_reader_manifest(self.export_dir)
         self.slots = self.manifest["reader_slots"]
         self._dataset: PackedDataset | None = None  # opened on first use: in each dataloader worker
 
     @property
     def dataset(self) -> PackedDataset:
         if self._dataset is None:
-            source = self.manifest["source"]
-            ds = open_dataset(source["dataset"])
-            found = (ds.metadata["fingerprint"], len(ds))
-            if found != (source["fingerprint"], self.manifest["samples"]):
-                raise ReaderMismatch(
-                    f"{self.export_dir}: made from {source['dataset']} with fingerprint {source['fingerprint']} "
-                    f"and {self.manifest['samples']} samples, found {found[0]} and {found[1]}: export again")
-            self._dataset = ds
+            self._dataset = open_exported_dataset(self.export_dir, self.manifest)
         return self._dataset
 
     def __getstate__(self) -> dict:  # a dataloader worker opens its own memory map
