@@ -18,6 +18,7 @@ rule validate:
         captures=config["captures"],
         sequence=config["sequence"],
         policy=config["validation"]["policy"],
+        read_states=config["validation"]["read_states"],
         quarantine_dir=f"{RUN_DIR}/quarantine/shard-{{shard}}",
     message:
         "Validating shard {wildcards.shard} (policy {params.policy})"

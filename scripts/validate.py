@@ -21,5 +21,6 @@ run(
         policy=sm.params.policy,
         threads=sm.threads,
         restore_from=restoring(settings.store_dir, sm.config["storage"]),
+        read_states=sm.params.read_states,
     )
 )

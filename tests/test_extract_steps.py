@@ -75,11 +75,13 @@ def test_the_watcher_checks_each_file_once_it_is_renamed_into_place(tmp_path):
 
 
 def test_one_gather_for_several_requests_gives_each_request_its_own_states():
-    """Batching must not scramble per-request states: each request's view of the one gather equals what
-    vLLM's extract_from_kv_cache gives for that request alone, on a cache of vLLM's own layout."""
+    """Batching must not scramble per-request states: each request's view of the one gather (and its
+    measures, from which the file's facts are written) equals what vLLM's extract_from_kv_cache gives for
+    that request alone, on a cache of vLLM's own layout."""
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import extract_from_kv_cache
 
     from eagle3data.connector import gather_requests, request_slots
+    from eagle3data.states import measured
 
     block_size, blocks = 16, 40
     generator = torch.Generator().manual_seed(0)
@@ -87,11 +89,13 @@ def test_one_gather_for_several_requests_gives_each_request_its_own_states():
     requests = [([7, 3], 20), ([0], 16), ([12, 30, 5], 33), ([39], 1)]  # (block ids, tokens)
     slots = [request_slots(ids, block_size, tokens) for ids, tokens in requests]
     assert list(slots[0][:3]) == [7 * 16, 7 * 16 + 1, 7 * 16 + 2] and slots[0][16] == 3 * 16
-    parts = gather_requests(cache, slots)
+    gathered = gather_requests(cache, slots)
+    parts = [states for states, _ in gathered]
     assert [tuple(p.shape) for p in parts] == [(20, 4, 8), (16, 4, 8), (33, 4, 8), (1, 4, 8)]
-    for part, request_slot in zip(parts, slots):
+    for (part, measures), request_slot in zip(gathered, slots):
         alone = extract_from_kv_cache(cache, torch.from_numpy(request_slot), len(request_slot))
         assert torch.equal(part, alone)
+        assert torch.equal(measures, measured(alone))  # the facts written with it are its own
     assert not torch.equal(parts[0][:16], parts[1])  # different requests, different states
 
 

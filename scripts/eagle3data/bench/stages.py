@@ -149,11 +149,13 @@ def footprint(run: Path) -> dict:
 
 
 def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict, captures: list[dict],
-                       cores: int, shards: int, exports: bool) -> dict:
+                       cores: int, shards: int, exports: bool, jobs_per_engine: int = 1) -> dict:
     """One whole run (tokenize, extract, validate, pack, report) of demo-like conversations in `shards`
     shards, the model already built: tokens packed per wall second, from the start and from the moment
-    the first extract job had its engine ready, and the engine loads it took (one: the node's engine
-    serves every shard). With `exports`, then both trainer exports, for the footprint after them."""
+    the first extract job had its engine ready to the packed dataset, and the engine loads it took (one:
+    the node's engine serves every shard). On a GPU `jobs_per_engine` extract jobs run side by side (one
+    computes, the others prepare and queue for the engine). With `exports`, then both trainer exports,
+    for the footprint after them."""
     work.mkdir(parents=True, exist_ok=True)
     from eagle3data.model_info import read_model_info
 
@@ -171,8 +173,10 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     run = work / "results" / "bench-e2e"
     peak = PeakBytes(run)
     peak.start()
-    # As a user runs it: extract jobs at once only as many as the node's GPUs hold (the benchmark's one).
-    gpus = ["--resources", f"gpu={config['engine']['tensor_parallel_size']}"] if engine["device"] == "cuda" else []
+    # As a user runs it: --resources gpu=N, here N = the engine's GPUs x jobs_per_engine (README, "The
+    # model loads once per node": jobs beyond the GPUs queue for the engine).
+    budget = config["engine"]["tensor_parallel_size"] * jobs_per_engine
+    gpus = ["--resources", f"gpu={budget}"] if engine["device"] == "cuda" else []
     seconds, _ = snakemake(work, work / "config.yaml", "--cores", str(cores), *gpus)
     finished_at = time.time()
     # The state after a stage is one of the run's states (an engine stopping may still be logging).
@@ -188,9 +192,13 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
         rules[str(tsv.relative_to(run / "benchmarks"))] = float(pd.read_csv(tsv, sep="\t")["s"].iloc[0])
     extract = [json.loads(p.read_text()) for p in sorted((run / "extract").glob("*.stats.json"))]
     loads = [s["engine_load_seconds"] for s in extract if s.get("engine_loaded_here")]
-    from_ready = finished_at - min(s["engine_ready_at"] for s in extract)
+    first_ready = min(s["engine_ready_at"] for s in extract)
+    from_ready = (run / "dataset.counts.json").stat().st_mtime - first_ready  # written once the dataset is
     return {"conversations": conversations, "packed": counts["packed"], "tokens": tokens, "seconds": seconds,
             "tokens_per_second": tokens / seconds, "seconds_from_engine_ready": from_ready,
+            "seconds_from_engine_ready_to_end_of_run": finished_at - first_ready, "jobs_per_engine": jobs_per_engine,
+            "extract_prepare_seconds": [s.get("prepare_seconds") for s in extract],
+            "index_seconds": counts.get("index_seconds"),
             "tokens_per_second_from_engine_ready": tokens / from_ready, "rule_seconds": rules, "cores": cores,
             "shards": len(extract), "engine_loads": len(loads), "engine_load_seconds": sum(loads),
             "footprint": {**disk, "peak_bytes": peak_bytes, "pipeline_peak_bytes": pipeline_peak}}
