@@ -172,11 +172,11 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
     """Compute `todo` on an engine of the node (engine_pool.py: a free one with these settings, else one
     this job starts); each sample that fails goes to `failed` (id -> reason), file removed. Adds to
     `steps` the seconds of generate() and of checking its replies, of waiting for the shard's last files
-    and checking them, and of making every computed file durable; the engine is handed back before that
-    last step, so the next shard's prefill overlaps this shard's fsyncs. Returns how many files were
-    still to come when the last generate() returned (how far the writes trailed the engine) and the
-    engine's stats (engine_stats; the wait for the engine is kept out of `steps`: tokens/s is the
-    running engine's)."""
+    and checking them, and of making every computed file durable; the engine is handed back when the
+    last generate() returns, so the next shard's prefill overlaps this one's last files and fsyncs.
+    Returns how many files were still to come when the last generate() returned (how far the writes
+    trailed the engine) and the engine's stats (engine_stats; the wait for the engine is kept out of
+    `steps`: tokens/s is the running engine's)."""
     starting = time.perf_counter()
     engine = engine_pool.acquire(
         engine_mod.engine_kwargs(
@@ -193,7 +193,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
         kill_point("extract:engine_ready")
         to_come, whole, syncing = _run_batches(job, engine, todo, failed, steps)
     finally:
-        engine.close()
+        engine.close()  # (done already unless a batch failed)
     stats = engine_stats(engine, waited, ready_at, shards_served)
     logger.info("engine %s on %s: %s", engine.entry.id, engine.entry.node, stats)
     began = time.perf_counter()
@@ -246,6 +246,7 @@ def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, 
             steps["generate"] += generated - began
             steps["replies"] += time.perf_counter() - generated
             progress.update(len(rows))
+        engine.close()  # the next shard's job may start its prefill while this one's last files land
         began = time.perf_counter()
         syncing, to_come = start_syncing(watcher.whole()), watcher.pending()
         problems = watcher.finish(job.engine["file_timeout_s"])

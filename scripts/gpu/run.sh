@@ -115,11 +115,13 @@ case "$what" in
       --loaders "${LOADERS:-auto,threads=16,sharded_state}" --json "$OUT/load-llama8b.json" > /tmp/load.log 2>&1
     echo "load bench: exit $?"; grep '^{"loader"\|^figure 9' /tmp/load.log | cut -c1-300; cp /tmp/load.log "$OUT/log-load.txt"
     ;;
-  figures)  # issue 8's figures 1 and 7 through the benchmark command: 8B Llama shape (dummy weights), TP1
+  figures)  # figures 1 and 7 through the benchmark command: 8B Llama shape (dummy weights), TP1; figure 1's
+            # prompts (FIGURE1_PROMPTS, 2048) and figure 7's extract jobs side by side (JOBS_PER_ENGINE, 2)
     step figures 1,7
     python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     timeout 570 python3 -m eagle3data.bench --figures 1,7 --device cuda --model /tmp/llama-8b \
-      --captures 2:input,16:input,29:input,31:output --prompts 2048 --tokens 512 --conversations 6144 --shards 8 \
+      --captures 2:input,16:input,29:input,31:output --prompts "${FIGURE1_PROMPTS:-2048}" --tokens 512 \
+      --conversations 6144 --shards 8 --jobs-per-engine "${JOBS_PER_ENGINE:-2}" \
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
       --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
     echo "benchmark: exit $?"; grep -E "^figure|^          " /tmp/figures.log; tail -n 3 /tmp/figures.log
