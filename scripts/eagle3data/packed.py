@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import datasets
@@ -32,6 +33,7 @@ from eagle3data.states import DTYPES, checksum, facts_header
 from eagle3data.store import atomic_path, sample_path
 
 logger = get_logger(__name__)
+UNLINK_THREADS = 16
 
 
 def packed_dir(store_dir: str | os.PathLike) -> Path:
@@ -67,15 +69,17 @@ def restore_missing(store_dir: str | os.PathLike, sample_ids, n_captures: int, h
 
 
 def drop_packed(store_dir: str | os.PathLike, sample_ids) -> int:
-    """Delete the store files of samples that a durable packed shard now holds; how many there were."""
-    dropped = 0
-    for sample_id in sample_ids:
+    """Delete the store files of samples that a durable packed shard now holds; how many there were.
+    Several at once: on the H200's disk one unlink of a just-written 16 MB file took ~10 ms, 7 s a shard."""
+    def drop(sample_id: str) -> bool:
         try:
             sample_path(store_dir, sample_id).unlink()
         except FileNotFoundError:
-            continue
-        dropped += 1
-    return dropped
+            return False
+        return True
+
+    with ThreadPoolExecutor(UNLINK_THREADS, thread_name_prefix="eagle3data-drop") as pool:
+        return sum(pool.map(drop, sample_ids))
 
 
 def held_elsewhere(store_dir: str | os.PathLike, checksums: dict[str, list[str]], n_captures: int,
