@@ -24,10 +24,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import datasets
 from safetensors.torch import save_file
 
-from eagle3data.dataset import read_rows
 from eagle3data.logs import get_logger
 from eagle3data.states import DTYPES, checksum, facts_header
 from eagle3data.store import atomic_path, sample_path
@@ -93,7 +91,12 @@ def held_elsewhere(store_dir: str | os.PathLike, checksums: dict[str, list[str]]
 
 def _packed_rows(store_dir, wanted: set[str], n_captures: int, hidden_size: int, dtype: str) -> Iterator[dict]:
     """The rows of the packed shards holding these samples, the first found of each; the files are
-    memory-mapped, so only those rows' states are read."""
+    memory-mapped, so only those rows' states are read. (`datasets` is imported here: the extract and
+    validate jobs that import this module rarely restore anything, and it costs them ~0.5 s to start.)"""
+    import datasets
+
+    from eagle3data.dataset import read_rows
+
     wanted = set(wanted)
     for arrow in sorted(packed_dir(store_dir).glob("shard-*.arrow")) if wanted else []:
         table = datasets.Dataset.from_file(str(arrow)).data.table
