@@ -2,8 +2,8 @@
 
 Kimi-K2.5's shape (61 layers, hidden 7168, the four captures of config/kimi-k2.5.yaml) is written as
 config.json only; samples of `[512, 4, 7168]` random bf16 states are written as the store's files
-(`store.sample_path`, `store.atomic_path`, the connector's tensors) with a tokenized shard and an extract
-manifest per shard. The real `validate` and `pack` stages then run on them as Snakemake runs them: in
+(`store.sample_path`, `store.atomic_path`, the connector's tensors and the validation facts it writes in
+the header) with a tokenized shard and an extract manifest per shard. The real `validate` and `pack` stages then run on them as Snakemake runs them: in
 their own process with OMP_NUM_THREADS set to the rule's `threads` (validate 2, pack 1), timed inside it
 (`python -m eagle3data.bench.io validate|pack JOB.json`), beside their references on the same files:
 plainly reading them, and `cp` of them. Before each timed pass the files are dropped from the page cache
