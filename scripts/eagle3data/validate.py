@@ -2,7 +2,9 @@
 
 A file whose header holds the facts the connector measured as it wrote it (states.py) is judged by them
 without reading its states (`validation.read_states` reads them anyway); pack compares the checksums as
-it reads the bytes. Lazy throughout: the tokenized shard, the extract manifest, every sample's file and every capture are
+it reads the bytes.
+
+Lazy throughout: the tokenized shard, the extract manifest, every sample's file and every capture are
 checked before anything fails, so one run lists every problem (sample, check, expected, found) under a
 header saying how many samples failed and which files to look at. Then `validation.policy` decides:
 
@@ -79,7 +81,7 @@ def _samples(job: ValidateJob, tokenized: pd.DataFrame, todo: pd.DataFrame) -> t
     files = pd.DataFrame(headers, columns=list(StatesFile.to_schema().columns))
     found = validate(expected.file_contract(), files, job.extract_manifest)[1]
     failed = {f.sample_id for f in found}
-    rows, to_measure = [], []
+    rows, to_measure, by_facts = [], [], 0
     for header in headers:
         if header["sample_id"] in failed:
             continue
@@ -89,9 +91,10 @@ def _samples(job: ValidateJob, tokenized: pd.DataFrame, todo: pd.DataFrame) -> t
             to_measure.append((header["sample_id"], header["path"]))
         else:
             rows += written
+            by_facts += 1
     logger.info("%d samples checked by the facts measured as their states were written (pack reads and "
-                "checks their bytes), %d measured from their files%s", len(headers) - len(failed) - len(to_measure),
-                len(to_measure), " (validation.read_states)" if job.read_states else "")
+                "checks their bytes), %d measured from their files%s", by_facts, len(to_measure),
+                " (validation.read_states)" if job.read_states else "")
     with ThreadPoolExecutor(job.threads, thread_name_prefix="eagle3data-validate") as pool:
         measured = pool.map(lambda sample: capture_facts(*sample, expected), to_measure)
         for facts in tqdm(measured, total=len(to_measure), desc="validate", unit="sample", mininterval=5):
