@@ -21,6 +21,7 @@ from eagle3data.states import DTYPES, Expected
 logger = get_logger(__name__)
 
 HEADER_BYTES = 160  # safetensors length prefix + JSON header for the two tensors (152 measured)
+FACTS_BYTES_PER_CAPTURE = 240  # the validation facts in the header (states.FACTS_KEY): 210-232 measured
 TOKEN_ID_BYTES = 8  # token_ids are int64
 GIB = 1024**3
 
@@ -39,10 +40,10 @@ class InputShape:
 
 
 def sample_bytes(num_tokens: int, expected: Expected) -> int:
-    """Size on disk of one sample's states file."""
+    """Size on disk of one sample's states file (at most: the facts' JSON varies by a few bytes)."""
     itemsize = torch.empty((), dtype=DTYPES[expected.dtype]).element_size()
     per_token = len(expected.captures) * expected.hidden_size * itemsize + TOKEN_ID_BYTES
-    return HEADER_BYTES + num_tokens * per_token
+    return HEADER_BYTES + len(expected.captures) * FACTS_BYTES_PER_CAPTURE + num_tokens * per_token
 
 
 @dataclass(frozen=True)
