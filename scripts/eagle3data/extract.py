@@ -156,6 +156,15 @@ def run(job: ExtractJob) -> dict:
     return stats
 
 
+def run_alone(job: ExtractJob) -> dict:
+    """`run` outside a Snakemake run (the benchmark and crosscheck tools): no onsuccess stops the engine
+    this one job started, which would otherwise idle for keep_alive_s holding memory or GPUs."""
+    try:
+        return run(job)
+    finally:
+        engine_pool.stop_idle_of_run(str(job.run_dir))
+
+
 def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
     """Print the expected output size; refuse to start when the store's disk lacks room for it."""
     shape = job.input_shape or disk.InputShape(len(shard), len(shard), max(len(shard), 1))

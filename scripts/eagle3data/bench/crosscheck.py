@@ -80,8 +80,7 @@ def parse_engine_args(items: list[str]) -> dict:
 
 
 def main() -> None:
-    from eagle3data import engine_pool
-    from eagle3data.extract import ExtractJob, run
+    from eagle3data.extract import ExtractJob, run_alone
     from eagle3data.model_info import read_model_info
     from eagle3data.settings import engine_config
     from eagle3data.states import Expected
@@ -117,10 +116,7 @@ def main() -> None:
     job = ExtractJob(str(work / "shard.parquet"), str(work / "manifest.parquet"), str(work / "stats.json"),
                      str(work / "store"), args.model, False, Expected(captures, info.hidden_size, args.dtype),
                      args.tokens, engine)
-    try:
-        run(job)
-    finally:  # a one-off job: its engine would otherwise idle for keep_alive_s, holding memory or GPUs
-        engine_pool.stop_idle_of_run(str(job.run_dir))
+    run_alone(job)
     rows = []
     for sid in prompts:
         got = load_file(str(sample_path(work / "store", sid)))["hidden_states"]

@@ -112,8 +112,7 @@ def bare_prefill(args, engine: dict, prompts: dict, captures) -> dict:
 
 def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
     """The extract stage itself on a shard of the prompts; its own tokens/s (files waited for)."""
-    from eagle3data import engine_pool
-    from eagle3data.extract import TIMED_STEPS, ExtractJob, run
+    from eagle3data.extract import TIMED_STEPS, ExtractJob, run_alone
     from eagle3data.model_info import read_model_info
     from eagle3data.states import Expected
     from eagle3data.store import sample_path
@@ -125,11 +124,8 @@ def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
     job = ExtractJob(str(work / "shard.parquet"), str(work / "manifest.parquet"), str(work / "stats.json"),
                      str(work / "store"), args.model, False, Expected(captures, info.hidden_size, args.dtype),
                      args.tokens, engine)
-    try:
-        with StoreSampler([sample_path(work / "store", sample_id) for sample_id in prompts]) as sampler:
-            stats = run(job)
-    finally:  # a one-off job: its engine would otherwise idle for keep_alive_s, holding ~3 GB
-        engine_pool.stop_idle_of_run(str(job.run_dir))
+    with StoreSampler([sample_path(work / "store", sample_id) for sample_id in prompts]) as sampler:
+        stats = run_alone(job)
     files = list((work / "store").rglob("*.safetensors"))
     disk_bytes = sum(f.stat().st_size for f in files)
     raw = stats["computed_tokens"] * len(captures) * info.hidden_size * torch.empty((), dtype=getattr(
