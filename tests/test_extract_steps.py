@@ -89,10 +89,9 @@ def test_one_gather_for_several_requests_gives_each_request_its_own_states():
     requests = [([7, 3], 20), ([0], 16), ([12, 30, 5], 33), ([39], 1)]  # (block ids, tokens)
     slots = [request_slots(ids, block_size, tokens) for ids, tokens in requests]
     assert list(slots[0][:3]) == [7 * 16, 7 * 16 + 1, 7 * 16 + 2] and slots[0][16] == 3 * 16
-    gathered = gather_requests(cache, slots)
-    parts = [states for states, _ in gathered]
+    parts, all_measures = gather_requests(cache, slots)
     assert [tuple(p.shape) for p in parts] == [(20, 4, 8), (16, 4, 8), (33, 4, 8), (1, 4, 8)]
-    for (part, measures), request_slot in zip(gathered, slots):
+    for part, measures, request_slot in zip(parts, torch.split(all_measures, [20, 16, 33, 1]), slots):
         alone = extract_from_kv_cache(cache, torch.from_numpy(request_slot), len(request_slot))
         assert torch.equal(part, alone)
         assert torch.equal(measures, measured(alone))  # the facts written with it are its own

@@ -84,8 +84,8 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             gib = self._kv_transfer_config.get_from_extra_config("host_buffer_gib", 2)
             count = max(2, int(gib * 2**30 // request_bytes))
             self._buffers = PinnedBuffers(count, max_tokens, per_token, self._kv_cache.dtype)
-            # Per buffer, its states' `measure` (norms, least bits): taken and given back with it.
-            self._measures = PinnedBuffers(count, max_tokens, (2, per_token[0]), torch.float32)
+            # Per group of requests gathered at once, their states' `measured` facts (one copy a group).
+            self._measures = PinnedBuffers(count, max(GATHER_TOKENS, max_tokens), (2, per_token[0]), torch.float32)
         logger.info(
             "hidden-states connector ready (tp_rank0=%s, buffer %s %s on %s)",
             self._is_tp_rank_zero,
@@ -164,33 +164,36 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         for group in _groups(pendings, GATHER_TOKENS):
             slots = [request_slots(p.block_ids, self._block_size, p.token_ids.shape[0]) for p in group]
             taken = [self._buffers.take(p.token_ids.shape[0], f"states for {p.filename}") for p in group]
-            measures = [self._measures.take(p.token_ids.shape[0]) for p in group]
+            sizes = [len(s) for s in slots]
+            measures_buffer, host_measures = self._measures.take(sum(sizes))
             with torch.cuda.stream(stream):
-                parts = gather_requests(self._kv_cache, slots, lambda t: t.pin_memory().to(device, non_blocking=True))
-                for (_, host), (_, host_measures), (part, part_measures) in zip(taken, measures, parts):
+                parts, measures = gather_requests(self._kv_cache, slots,
+                                                  lambda t: t.pin_memory().to(device, non_blocking=True))
+                for (_, host), part in zip(taken, parts):
                     host.copy_(part, non_blocking=True)
-                    host_measures.copy_(part_measures, non_blocking=True)
+                host_measures.copy_(measures, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
-            for (buffer, host), (measures_buffer, host_measures), pending in zip(taken, measures, group):
+            shared = _SharedBuffer(measures_buffer, len(group), self._measures.give_back)
+            for (buffer, host), request_measures, pending in zip(taken, torch.split(host_measures, sizes), group):
                 if pending.req_id in self._req_futures:
                     raise RuntimeError(f"request {pending.req_id} was already being written")
                 tensors = {"hidden_states": host, "token_ids": pending.token_ids.clone()}
-                future = self._executor.submit(self._write_and_give_back, (buffer, measures_buffer), tensors,
-                                               host_measures, copied, pending.filename,
+                future = self._executor.submit(self._write_and_give_back, buffer, shared, tensors,
+                                               request_measures, copied, pending.filename,
                                                self._lock_fds.pop(pending.req_id, None))
                 self._req_copy_events[pending.req_id] = copied
                 self._req_futures[pending.req_id] = future
                 future.add_done_callback(partial(self._on_write_done, pending.req_id))
 
-    def _write_and_give_back(self, buffers: tuple[torch.Tensor, torch.Tensor], tensors, measures, copied,
+    def _write_and_give_back(self, buffer: torch.Tensor, shared: _SharedBuffer, tensors, measures, copied,
                              filename: str, lock_fd) -> None:
         began = time.perf_counter()
         try:
             waited = self._write_tensors(tensors, measures, copied, filename, lock_fd)
         finally:
-            self._buffers.give_back(buffers[0])
-            self._measures.give_back(buffers[1])
+            self._buffers.give_back(buffer)
+            shared.release()
         with self._writers_lock:
             self._writers["files"] += 1
             self._writers["copy_wait"] += waited
@@ -218,13 +221,27 @@ def request_slots(block_ids: list[int], block_size: int, tokens: int) -> np.ndar
 
 
 def gather_requests(kv_cache: torch.Tensor, slots: list[np.ndarray],
-                    upload=lambda t: t) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Several requests' states in one gather from the cache, measured at once (states.measured): per
-    request, in order, a `[T_i, n_captures, H]` view and its `[T_i, 2, n_captures]` measures. `upload`
-    moves the slot indices to the cache's device."""
+                    upload=lambda t: t) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Several requests' states in one gather from the cache: one `[T_i, n_captures, H]` view per
+    request, in order, and all of them measured at once (states.measured, `[sum T_i, 2, n_captures]`).
+    `upload` moves the slot indices to the cache's device."""
     states = extract_from_kv_cache(kv_cache, upload(torch.from_numpy(np.concatenate(slots))), sum(map(len, slots)))
-    sizes = [len(s) for s in slots]
-    return list(zip(torch.split(states, sizes), torch.split(measured(states), sizes)))
+    return list(torch.split(states, [len(s) for s in slots])), measured(states)
+
+
+class _SharedBuffer:
+    """A host buffer that a group's requests share: given back once the last of them is done with it."""
+
+    def __init__(self, buffer: torch.Tensor, users: int, give_back):
+        self._buffer, self._users, self._give_back = buffer, users, give_back
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self._give_back(self._buffer)
 
 
 def _groups(pendings: list[PendingSave], tokens: int) -> list[list[PendingSave]]:
