@@ -8,9 +8,11 @@ min_version("9.0")
 
 from eagle3data.checkpoint import check_loader_config, sharded_dir
 from eagle3data.conversations import count_conversations
+from eagle3data.disk import check_storage_config
 
 validate(config, workflow.source_path("../config/schema.yaml"))
 check_loader_config(config["engine"])
+check_storage_config(config["storage"])
 
 RUN = config["run"]
 RUN_DIR = f"results/{RUN}"

@@ -12,6 +12,6 @@ export(
     token_freq=sm.input.token_freq,
     vocab_mapping=sm.input.mapping,
     layer_ids=sm.params.layer_ids,
-    store_dir=Settings(dict(sm.config)).store_dir,
+    store_dir=Settings(dict(sm.config)).samples_dir,
     states=sm.params.states,
 )

@@ -23,6 +23,7 @@ if __name__ == "__main__":
             manifest=sm.output.manifest,
             stats=sm.output.stats,
             store_dir=str(settings.store_dir),
+            samples_dir=str(settings.samples_dir),
             model_path=sm.params.model["path"],
             trust_remote_code=sm.params.model["trust_remote_code"],
             expected=settings.expected,

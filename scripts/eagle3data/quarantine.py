@@ -12,14 +12,16 @@ whose files are gone from the store, and validates them again.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 from pathlib import Path
 
 import pandas as pd
 
 from eagle3data.failures import Failure
 from eagle3data.schemas import SkippedShard, check
-from eagle3data.store import STATES_SUFFIX, atomic_write_text
+from eagle3data.store import STATES_SUFFIX, atomic_path, atomic_write_text
 
 
 def quarantine(found: list[Failure], tokenized: pd.DataFrame, paths: dict[str, str],
@@ -34,7 +36,7 @@ def quarantine(found: list[Failure], tokenized: pd.DataFrame, paths: dict[str, s
         reason_file = Path(directory) / f"{sample_id}.reason.txt"
         atomic_write_text(reason_file, "".join(f"{f}\n" for f in failures))
         with contextlib.suppress(FileNotFoundError):  # unreadable because missing, or already moved
-            os.replace(paths[sample_id], Path(directory) / f"{sample_id}{STATES_SUFFIX}")
+            _move(Path(paths[sample_id]), Path(directory) / f"{sample_id}{STATES_SUFFIX}")
         checks = "; ".join(dict.fromkeys(f.check for f in failures))
         rows.append(
             {
@@ -46,3 +48,15 @@ def quarantine(found: list[Failure], tokenized: pd.DataFrame, paths: dict[str, s
         )
     columns = list(SkippedShard.to_schema().columns)
     return check(SkippedShard, pd.DataFrame(rows, columns=columns), f"quarantined samples in {directory}")
+
+
+def _move(source: Path, target: Path) -> None:
+    """Rename; across filesystems (a file on storage.transport_dir's RAM disk) copy whole, then remove."""
+    try:
+        os.replace(source, target)
+    except OSError as error:
+        if error.errno != errno.EXDEV:
+            raise
+        with atomic_path(target) as tmp:
+            shutil.copyfile(source, tmp)
+        source.unlink()

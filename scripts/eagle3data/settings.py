@@ -59,6 +59,14 @@ class Settings:
             determinants["weights"] = "dummy"
         return self.run_dir / "states" / content_key(**determinants)
 
+    @property
+    def samples_dir(self) -> Path:
+        """Where each sample's states file lives: in the store, or under storage.transport_dir (a RAM disk
+        of the node: the disk then takes each state byte once, as the packed shard) in a directory of
+        this run and store key."""
+        transport = self.config["storage"].get("transport_dir")
+        return Path(transport) / self.config["run"] / self.store_dir.name if transport else self.store_dir
+
     def dataset_metadata(self) -> dict:
         """What pack writes into the dataset, including the trainer settings that match the captures."""
         model_cfg = self.config["model"]

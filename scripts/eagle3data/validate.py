@@ -58,6 +58,7 @@ class ValidateJob:
     policy: str = "fail"
     threads: int = 1  # files checked at once
     restore_from: str = ""  # packed.restoring: the store whose dropped files come back first
+    samples_dir: str = ""  # where they come back (Settings.samples_dir); "": restore_from
     read_states: bool = False  # measure every file's bytes even where its header holds the written facts
 
 
@@ -119,8 +120,8 @@ def run(job: ValidateJob) -> pd.DataFrame:
         todo = todo[todo["sample_id"].isin(tokenized["sample_id"])
                     & ~todo["sample_id"].isin({f.sample_id for f in table})]
         if job.restore_from:
-            restore_missing(job.restore_from, todo["sample_id"], len(job.expected.captures),
-                            job.expected.hidden_size, job.expected.dtype)
+            restore_missing(job.restore_from, job.samples_dir or job.restore_from, todo["sample_id"],
+                            len(job.expected.captures), job.expected.hidden_size, job.expected.dtype)
         manifest, found = _samples(job, tokenized, todo)
     files = [job.tokenized, job.extract_manifest]
     if table or (found and job.policy == "fail"):

@@ -121,7 +121,7 @@ case "$what" in
     python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     timeout 570 python3 -m eagle3data.bench --figures 1,7 --device cuda --model /tmp/llama-8b \
       --captures 2:input,16:input,29:input,31:output --prompts "${FIGURE1_PROMPTS:-2048}" --tokens 512 \
-      --conversations 6144 --shards 8 --jobs-per-engine "${JOBS_PER_ENGINE:-2}" \
+      --conversations 6144 --shards 8 --jobs-per-engine "${JOBS_PER_ENGINE:-2}" --transport-dir "${TRANSPORT_DIR:-}" \
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
       --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
     echo "benchmark: exit $?"; grep -E "^figure|^          " /tmp/figures.log; tail -n 3 /tmp/figures.log

@@ -117,8 +117,11 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
     exports = bool({"10", "11"} & set(args.figures.split(",")))
     result = measure_end_to_end(work / "e2e", args.model, scale.e2e_conversations, engine,
                                 parse_capture_arg(args.captures), os.cpu_count(), scale.e2e_shards, exports,
-                                args.jobs_per_engine)
+                                args.jobs_per_engine, args.transport_dir)
     jobs = f", {args.jobs_per_engine} extract jobs side by side" if args.device == "cuda" else ""
+    if args.transport_dir:
+        jobs += (f", per-sample files on {args.transport_dir} (peak "
+                 f"{result['footprint']['transport_peak_bytes'] / 1e9:.1f} GB of memory)")
     figures = [judged(
         "7", "end_to_end", result["tokens_per_second_from_engine_ready"] / bare_tps, ">= 0.85",
         f"{result['tokens']} tokens of {result['conversations']} conversations in {result['shards']} shards{jobs} "
@@ -222,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, help="figure 7's shards (default: the scale's)")
     parser.add_argument("--jobs-per-engine", type=int, default=2,
                         help="figure 7 on a GPU: --resources gpu=<this x tensor parallel size>")
+    parser.add_argument("--transport-dir", default="",
+                        help="figure 7's storage.transport_dir (a RAM disk: the disk takes each state byte once)")
     parser.add_argument("--work", default="results/benchmark", help="scratch directory (emptied first)")
     parser.add_argument("--out", help="write the JSON here")
     args = parser.parse_args(argv)

@@ -26,7 +26,8 @@ The model (assumed, not measured, unless a rate says so):
   pack reads and writes the shard before (rule pack_shard); validate judges the facts written in each
   file's header and reads no states (`--validate-reads-states`: as under `validation.read_states`, it
   reads every byte too): extraction takes max(tokens / extract rate, (written + validated + packed
-  bytes) / R).
+  bytes) / R). `--transport` (storage.transport_dir): the per-sample files are on a RAM disk, so the
+  disk takes only pack's writes (each state byte once); validate and pack read from memory.
 - Between two extract jobs on an engine its GPUs idle `--job-overhead-s`: 0.5 s measured on the H200
   with jobs queued beyond the GPUs (`--resources gpu=` above them: the next job prepared while the one
   before computes); 10 s with one job at a time (the tenth session's runs).
@@ -90,6 +91,7 @@ class Node:
     validate_reads_states: bool  # validation.read_states: validate reads every byte too
     pack_gbps: float
     exports: int
+    transport: bool = False  # storage.transport_dir: the per-sample files on a RAM disk, not the disk
 
 
 def slower(own_seconds: float, own: str, disk_seconds: float, disk_work: str, disk_gbps: float) -> str:
@@ -110,34 +112,39 @@ def project(node: Node) -> dict:
     extraction = busy / node.extract_over_bare
     behind = states * (shards - 1) / shards  # the bytes of every shard but the last
     validated = states if node.validate_reads_states else 0.0  # else the facts in the headers only
-    extraction_disk_bytes = states + validated * (shards - 1) / shards + 2 * behind  # written; validated, packed behind
+    files_on_disk = 0.0 if node.transport else 1.0  # each sample's file: on the disk, or on a RAM disk
+    # written; validated, packed (read, written) behind
+    extraction_disk_bytes = files_on_disk * (states + validated * (shards - 1) / shards + behind) + behind
     extraction_phase = max(extraction, extraction_disk_bytes / disk)
+    read_from = disk if files_on_disk else math.inf
     start_seconds = starts * node.engine_start_seconds
     jobs_idle = math.ceil(shards / engines) * node.job_overhead_seconds
     first_tokenize = tokens / shards / node.tokenize_tps
-    validate = validated / min(node.validate_gbps * 1e9, disk)
-    pack = max(states / (node.pack_gbps * 1e9), 2 * states / disk)
+    validate = validated / min(node.validate_gbps * 1e9, read_from)
+    packed_disk_bytes = (1 + files_on_disk) * states
+    pack = max(states / (node.pack_gbps * 1e9), packed_disk_bytes / disk)
 
     set_by = {
         "tokenize": f"CPU: {node.tokenize_tps:,.0f} tok/s a job",
         "engine start": f"{starts} x {node.engine_start_seconds:,.0f} s, each reading the checkpoint",
         "extract jobs": f"{math.ceil(shards / engines)} jobs an engine x {node.job_overhead_seconds:.1f} s each",
         "extract": slower(extraction, f"GPU: {node.extract_over_bare:.3f} of bare prefill",
-                          extraction_disk_bytes / disk, f"{extraction_disk_bytes / 1e12:.2f} TB written, "
-                          "validated and packed", node.disk_gbps),
+                          extraction_disk_bytes / disk, f"{extraction_disk_bytes / 1e12:.2f} TB "
+                          f"{'packed' if node.transport else 'written, validated and packed'}", node.disk_gbps),
         "validate": slower(validated / (node.validate_gbps * 1e9), f"CPU: {node.validate_gbps:.2f} GB/s a job",
-                           validated / disk, "reads", node.disk_gbps) if validated
+                           validated / read_from, "reads", node.disk_gbps) if validated
         else "the facts written with the states (headers only)",
         "pack": slower(states / (node.pack_gbps * 1e9), f"CPU: pack's {node.pack_gbps:.2f} GB/s",
-                       2 * states / disk, f"{2 * states / 1e12:.2f} TB read and written", node.disk_gbps),
+                       packed_disk_bytes / disk, f"{packed_disk_bytes / 1e12:.2f} TB "
+                       f"{'written' if node.transport else 'read and written'}", node.disk_gbps),
         "exports": f"{node.exports} x pack's time (assumed)",
     }
     stages = [  # name, seconds of all its jobs, seconds on the critical path, overlap, disk bytes
         ("tokenize", tokens / node.tokenize_tps, first_tokenize, "yes, except the first shard's", 0.0),
         ("engine start", start_seconds, start_seconds, "no: GPUs idle", starts * node.checkpoint_gb * 1e9),
-        ("extract", extraction_phase, extraction_phase, "is the GPU work", states),
-        ("validate", validate, validate / shards, "yes, except the last shard's", validated),
-        ("pack", pack, pack / shards, "yes, except the last shard's", 2 * states),
+        ("extract", extraction_phase, extraction_phase, "is the GPU work", files_on_disk * states),
+        ("validate", validate, validate / shards, "yes, except the last shard's", files_on_disk * validated),
+        ("pack", pack, pack / shards, "yes, except the last shard's", packed_disk_bytes),
         ("exports", node.exports * pack, node.exports * pack, "no: after pack", node.exports * 2 * states),
     ]
     losses = {  # wall = busy + these
@@ -237,7 +244,7 @@ def node_from_args(args: argparse.Namespace) -> tuple[Node, dict]:
         checkpoint_gb=args.checkpoint_gb,
         tokenize_tps=rate("tokenize_tps", TOKENIZE_TPS, "measured, figure 7's tokenize rule on the H200"),
         validate_gbps=rate("validate_gbps", VALIDATE_GBPS, "measured, figure 2 on the CPU machine"),
-        validate_reads_states=args.validate_reads_states,
+        validate_reads_states=args.validate_reads_states, transport=args.transport,
         pack_gbps=rate("pack_gbps", PACK_GBPS, "measured, figure 3 on the CPU machine"),
         exports=args.exports,
     )
@@ -307,6 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--validate-gbps", type=float, help=f"one validate job (default: {VALIDATE_GBPS})")
     p.add_argument("--validate-reads-states", action="store_true",
                    help="validation.read_states: validate reads every state byte (default: headers only)")
+    p.add_argument("--transport", action="store_true",
+                   help="storage.transport_dir: the per-sample files on a RAM disk (the disk takes each byte once)")
     p.add_argument("--pack-gbps", type=float, help=f"default: {PACK_GBPS}")
     p.add_argument("--exports", type=int, default=0,
                    help="opt-in trainer exports, each another copy (default: %(default)s)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -149,13 +150,15 @@ def footprint(run: Path) -> dict:
 
 
 def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict, captures: list[dict],
-                       cores: int, shards: int, exports: bool, jobs_per_engine: int = 1) -> dict:
+                       cores: int, shards: int, exports: bool, jobs_per_engine: int = 1,
+                       transport_dir: str = "") -> dict:
     """One whole run (tokenize, extract, validate, pack, report) of demo-like conversations in `shards`
     shards, the model already built: tokens packed per wall second, from the start and from the moment
     the first extract job had its engine ready to the packed dataset, and the engine loads it took (one:
     the node's engine serves every shard). On a GPU `jobs_per_engine` extract jobs run side by side (one
-    computes, the others prepare and queue for the engine). With `exports`, then both trainer exports,
-    for the footprint after them."""
+    computes, the others prepare and queue for the engine). `transport_dir`: storage.transport_dir (its
+    peak is measured apart: memory, not disk). With `exports`, then both trainer exports, for the
+    footprint after them."""
     work.mkdir(parents=True, exist_ok=True)
     from eagle3data.model_info import read_model_info
 
@@ -166,13 +169,18 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     config["model"].update(path=str(Path(model).resolve()), build_demo=False, hidden_size=info.hidden_size,
                            num_hidden_layers=info.num_hidden_layers)
     config["engine"].update(engine)
-    config["storage"] = {"drop_packed_states": True}  # as config/kimi-k2.5.yaml: one copy of the states
+    config["storage"] = {"drop_packed_states": True, "transport_dir": transport_dir}  # one copy, as Kimi's
     # The trainers read the packed states in place (speculators_reader.py, specforge_reader.py).
     config["export"] = {"speculators": {"states": "reader"}, "specforge": {"states": "reader"}}
     (work / "config.yaml").write_text(yaml.safe_dump(config))
     run = work / "results" / "bench-e2e"
     peak = PeakBytes(run)
     peak.start()
+    transport = Path(transport_dir) / "bench-e2e" if transport_dir else None
+    if transport:
+        shutil.rmtree(transport, ignore_errors=True)
+        transport_peak = PeakBytes(transport)
+        transport_peak.start()
     # As a user runs it: --resources gpu=N, here N = the engine's GPUs x jobs_per_engine (README, "The
     # model loads once per node": jobs beyond the GPUs queue for the engine).
     budget = config["engine"]["tensor_parallel_size"] * jobs_per_engine
@@ -185,6 +193,9 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
         snakemake(work, work / "config.yaml", "--cores", str(cores), "export_speculators", "export_specforge")
     disk = footprint(run)
     peak_bytes = max(peak.stop(), pipeline_peak, disk["run_bytes"])
+    if transport:
+        disk["transport_peak_bytes"] = transport_peak.stop()
+        disk["transport_left_bytes"] = disk_bytes(transport)
     tokens = int(pc.sum(datasets.load_from_disk(str(run / "dataset")).data.table["seq_len"]).as_py())
     counts = json.loads((run / "dataset.counts.json").read_text())
     rules = {}
@@ -197,6 +208,7 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     return {"conversations": conversations, "packed": counts["packed"], "tokens": tokens, "seconds": seconds,
             "tokens_per_second": tokens / seconds, "seconds_from_engine_ready": from_ready,
             "seconds_from_engine_ready_to_end_of_run": finished_at - first_ready, "jobs_per_engine": jobs_per_engine,
+            "transport_dir": transport_dir,
             "extract_prepare_seconds": [s.get("prepare_seconds") for s in extract],
             "index_seconds": counts.get("index_seconds"),
             "tokens_per_second_from_engine_ready": tokens / from_ready, "rule_seconds": rules, "cores": cores,
