@@ -125,7 +125,8 @@ case "$what" in
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
       --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
     echo "benchmark: exit $?"; grep -E "^figure|^          " /tmp/figures.log; tail -n 3 /tmp/figures.log
-    cat /tmp/figures.log /tmp/benchmark/*.log /tmp/benchmark/e2e/results/bench-e2e/logs/*/*.log > "$OUT/log-figures.txt" 2>/dev/null
+    cat /tmp/figures.log /tmp/benchmark/*.log /tmp/benchmark/logs/engine/*.log /tmp/benchmark/e2e/snakemake.log \
+      /tmp/benchmark/e2e/results/bench-e2e/logs/*/*.log > "$OUT/log-figures.txt" 2>/dev/null
     df -h /tmp | tail -1; rm -rf /tmp/benchmark
     ;;
   deepseek)

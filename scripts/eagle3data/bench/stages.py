@@ -185,8 +185,9 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     # model loads once per node": jobs beyond the GPUs queue for the engine).
     budget = config["engine"]["tensor_parallel_size"] * jobs_per_engine
     gpus = ["--resources", f"gpu={budget}"] if engine["device"] == "cuda" else []
-    seconds, _ = snakemake(work, work / "config.yaml", "--cores", str(cores), *gpus)
+    seconds, proc = snakemake(work, work / "config.yaml", "--cores", str(cores), *gpus)
     finished_at = time.time()
+    (work / "snakemake.log").write_text(proc.stdout + proc.stderr)  # when each job started and ended
     # The state after a stage is one of the run's states (an engine stopping may still be logging).
     pipeline_peak = max(peak.peak, disk_bytes(run))
     if exports:  # the footprint of a run with the trainer exports (not timed: figure 7 ends at the dataset)
