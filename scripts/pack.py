@@ -1,7 +1,7 @@
-"""Snakemake script for rule pack (the dataset over the packed shards): see eagle3data.pack.index."""
+"""Snakemake script for rule pack (the dataset over the packed shards): see eagle3data.index."""
 
+from eagle3data.index import IndexJob, index
 from eagle3data.logs import redirect_output_to
-from eagle3data.pack import IndexJob, index
 from eagle3data.settings import Settings
 
 sm = snakemake  # noqa: F821

@@ -81,7 +81,7 @@ def test_one_gather_for_several_requests_gives_each_request_its_own_states():
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import extract_from_kv_cache
 
     from eagle3data.connector import gather_requests, request_slots
-    from eagle3data.states import measured
+    from eagle3data.measuring import measured
 
     block_size, blocks = 16, 40
     generator = torch.Generator().manual_seed(0)

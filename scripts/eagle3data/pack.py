@@ -1,5 +1,5 @@
-"""The `pack` stage: each validated shard into one Arrow file as soon as it is validated, then the
-Hugging Face dataset as an index over them.
+"""The `pack` stage: each validated shard into one Arrow file as soon as it is validated (rule
+pack_shard), then the Hugging Face dataset as an index over them (rule pack: index.py).
 
 Rule pack_shard streams a shard's states into `states/<key>/packed/shard-NNNNN.arrow` (packed.py says
 why there) with `datasets`' ArrowWriter (memory: one batch of samples), while the engine extracts later
@@ -29,17 +29,15 @@ import pandas as pd
 import pyarrow.parquet as pq
 import torch
 from datasets.arrow_writer import ArrowWriter
-from tqdm import tqdm
 
 from eagle3data import dataset as fmt
 from eagle3data import disk
-from eagle3data.card import write_card
-from eagle3data.check_dataset import check_dataset
 from eagle3data.duplicates import packed_earlier, write_index
 from eagle3data.failures import BoundaryError, Failure, show, summary, validate
+from eagle3data.index import IndexJob, index
 from eagle3data.logs import get_logger
 from eagle3data.overlap import ahead
-from eagle3data.packed import drop_packed, held_elsewhere, remove_orphans, restore_missing, restoring
+from eagle3data.packed import drop_packed, held_elsewhere, restore_missing, restoring
 from eagle3data.schemas import (
     SkippedShard,
     TokenizedShard,
@@ -48,7 +46,7 @@ from eagle3data.schemas import (
     sample_states_contract,
     states_manifest_contract,
 )
-from eagle3data.states import DTYPES, checksum, load_states
+from eagle3data.measuring import DTYPES, checksum, load_states
 from eagle3data.store import atomic_path, atomic_write_text
 from eagle3data.testing import kill_point
 
@@ -56,10 +54,6 @@ logger = get_logger(__name__)
 # A batch holds at most PackJob.batch_size samples and about this many bytes of states (one Kimi-K2.5
 # sample is 29 MB): two batches are in memory at a time, one written while the next is read.
 BATCH_BYTES = 64 << 20
-
-
-class ReconciliationError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -94,18 +88,6 @@ class ShardPackJob:
     storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
     store_dir: str = ""  # the run's store: under drop_packed_states files restored and dropped (packed.py)
     samples_dir: str = ""  # where those files are (Settings.samples_dir); "": the store
-
-
-@dataclass
-class IndexJob:
-    summaries: list[str]  # each names its shard's packed file
-    skipped: list[str]
-    quarantined: list[str]
-    out_dir: str
-    counts_out: str
-    conversations_in: int
-    metadata: dict
-    store_dir: str = ""  # its packed shards that no summary names are removed (packed.remove_orphans)
 
 
 def _verified_states(sample_id: str, captures: pd.DataFrame, out: torch.Tensor) -> None:
@@ -249,40 +231,6 @@ def pack_shard(job: ShardPackJob) -> dict:
     return summary
 
 
-def index(job: IndexJob) -> dict:
-    """The dataset over the packed shards: their files hard-linked (no bytes copied; copied only where
-    the filesystem cannot link), the counts reconciled, state, info and card written, the whole checked,
-    then renamed into place."""
-    began = time.perf_counter()
-    out, n = Path(job.out_dir), len(job.summaries)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    summaries = [json.loads(Path(p).read_text()) for p in job.summaries]
-    for i, summary in enumerate(summaries):
-        _link_or_copy(Path(summary["arrow"]), tmp / f"data-{i:05d}-of-{n:05d}.arrow")
-    if job.store_dir:
-        remove_orphans(job.store_dir, [s["arrow"] for s in summaries])
-    skipped = [check(SkippedShard, pd.read_parquet(p), p) for p in [*job.skipped, *job.quarantined]]
-    duplicates = pd.DataFrame([d for s in summaries for d in s["duplicates"]],
-                              columns=["sample_id", "source_row", "source_id", "reason"])
-    counts = _reconcile(job.conversations_in, sum(s["split_samples"] for s in summaries),
-                        sum(s["packed"] for s in summaries), skipped + [duplicates])
-    meta = {**job.metadata, "format_version": fmt.FORMAT_VERSION, "counts": counts}
-    features = fmt.features(len(meta["captures"]), meta["hidden_size"], meta["dtype"])
-    _write_dataset_files(tmp, n, features, meta)
-    write_card(tmp, meta)
-    check_dataset(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    nbytes = sum(s["pack_bytes"] for s in summaries)
-    counts_doc = {**counts, "pack_seconds": sum(s["pack_seconds"] for s in summaries), "pack_bytes": nbytes,
-                  "index_seconds": time.perf_counter() - began}
-    atomic_write_text(job.counts_out, json.dumps(counts_doc, indent=2))
-    logger.info("dataset %s: %d samples (%.1f MB) in %d packed shards", out, counts["packed"], nbytes / 1e6, n)
-    return counts_doc
-
-
 def _remove_outdated(dataset: str, counts: str) -> None:
     """A dataset over shards of which one is packed anew no longer says what the run holds: removed
     before the shard is packed, counts first (rule pack writes both again). Shard jobs run side by side,
@@ -298,14 +246,6 @@ def _remove_outdated(dataset: str, counts: str) -> None:
         return
     logger.info("removing %s: it indexes the shard packed now as it was before", dataset)
     shutil.rmtree(doomed)
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    try:
-        os.link(source, target)
-    except OSError as exc:  # another filesystem, or one without hard links
-        logger.warning("cannot hard-link %s (%s): copying it", source, exc)
-        shutil.copy2(source, target)
 
 
 def check_room(states: list[str], out: str, storage: dict, what: str) -> None:
@@ -339,40 +279,3 @@ def _split_samples(shard_tables: list[pd.DataFrame]) -> int:
     within a shard, a conversation's samples share its `source_row`."""
     rows = pd.concat([t["source_row"] for t in shard_tables], ignore_index=True)
     return len(rows) - rows.nunique()
-
-
-def _reconcile(conversations_in: int, split: int, packed: int, skipped_frames: list[pd.DataFrame]) -> dict:
-    skipped = pd.concat(skipped_frames, ignore_index=True)
-    reasons = skipped["reason"].str.split(":").str[0].value_counts().to_dict()
-    if packed + len(skipped) != conversations_in + split:
-        raise ReconciliationError(
-            f"counts do not reconcile: {conversations_in} conversations in + {split} samples split from "
-            f"them, {packed} packed + {len(skipped)} skipped = {packed + len(skipped)}"
-        )
-    return {
-        "conversations_in": conversations_in,
-        "split_samples": split,
-        "packed": packed,
-        "skipped": len(skipped),
-        "skip_reasons": {k: int(v) for k, v in reasons.items()},
-    }
-
-
-def _write_dataset_files(directory: Path, n_shards: int, features, meta: dict) -> None:
-    """`load_from_disk`'s state and info files, plus our metadata (also in the info's description)."""
-    state = {
-        "_data_files": [{"filename": f"data-{i:05d}-of-{n_shards:05d}.arrow"} for i in range(n_shards)],
-        "_fingerprint": meta["fingerprint"],
-        "_format_columns": None,
-        "_format_kwargs": {},
-        "_format_type": None,
-        "_output_all_columns": False,
-        "_split": None,
-    }
-    (directory / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
-    info = datasets.DatasetInfo(
-        description="EAGLE-3 training data: " + json.dumps(meta), features=features
-    )
-    info.write_to_directory(str(directory))
-    with atomic_path(directory / fmt.METADATA_FILE) as tmp:
-        Path(tmp).write_text(json.dumps(meta, indent=2))

@@ -24,10 +24,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from safetensors.torch import save_file
-
 from eagle3data.logs import get_logger
-from eagle3data.states import DTYPES, checksum, facts_header
 from eagle3data.store import atomic_path, sample_path
 
 logger = get_logger(__name__)
@@ -53,6 +50,10 @@ def restore_missing(store_dir: str | os.PathLike, samples_dir: str | os.PathLike
                     hidden_size: int, dtype: str) -> list[str]:
     """Write back under `samples_dir` (the store, or its directory under storage.transport_dir), from the
     store's packed shards, the files of these samples that are missing there; the ids restored."""
+    from safetensors.torch import save_file
+
+    from eagle3data.measuring import facts_header
+
     missing = {s for s in sample_ids if not sample_path(samples_dir, s).exists()}
     restored = []
     for row in _packed_rows(store_dir, missing, n_captures, hidden_size, dtype):
@@ -84,6 +85,8 @@ def held_elsewhere(store_dir: str | os.PathLike, checksums: dict[str, list[str]]
                    hidden_size: int, dtype: str) -> list[str]:
     """Of these samples (id -> the checksums validate recorded, in slot order), those a packed shard
     holds bit for bit: a duplicate's file may go only when the copy that stays is the one validated."""
+    from eagle3data.measuring import checksum
+
     return [row["sample_id"] for row in _packed_rows(store_dir, set(checksums), n_captures, hidden_size, dtype)
             if [checksum(row["hidden_states"][:, slot, :]) for slot in range(n_captures)]
             == checksums[row["sample_id"]]]
@@ -91,11 +94,13 @@ def held_elsewhere(store_dir: str | os.PathLike, checksums: dict[str, list[str]]
 
 def _packed_rows(store_dir, wanted: set[str], n_captures: int, hidden_size: int, dtype: str) -> Iterator[dict]:
     """The rows of the packed shards holding these samples, the first found of each; the files are
-    memory-mapped, so only those rows' states are read. (`datasets` is imported here: the extract and
-    validate jobs that import this module rarely restore anything, and it costs them ~0.5 s to start.)"""
+    memory-mapped, so only those rows' states are read. (`datasets`, torch and the tensor code are
+    imported where used: the jobs that import this module rarely restore anything, and the index job
+    never: on the H200's VM torch alone takes ~5 s to import.)"""
     import datasets
 
     from eagle3data.dataset import read_rows
+    from eagle3data.measuring import DTYPES
 
     wanted = set(wanted)
     for arrow in sorted(packed_dir(store_dir).glob("shard-*.arrow")) if wanted else []:

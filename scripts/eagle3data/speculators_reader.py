@@ -18,7 +18,6 @@ eagle3data` does that and runs the trainer (`eagle3data.bench.speculators_cpu` i
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch

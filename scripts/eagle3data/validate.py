@@ -39,7 +39,7 @@ from eagle3data.schemas import (
     states_manifest_contract,
     tokenized_contract,
 )
-from eagle3data.states import Expected, capture_facts, file_facts, header_facts
+from eagle3data.states import Expected, file_facts, header_facts
 from eagle3data.store import atomic_path
 
 logger = get_logger(__name__)
@@ -96,10 +96,8 @@ def _samples(job: ValidateJob, tokenized: pd.DataFrame, todo: pd.DataFrame) -> t
     logger.info("%d samples checked by the facts measured as their states were written (pack reads and "
                 "checks their bytes), %d measured from their files%s", by_facts, len(to_measure),
                 " (validation.read_states)" if job.read_states else "")
-    with ThreadPoolExecutor(job.threads, thread_name_prefix="eagle3data-validate") as pool:
-        measured = pool.map(lambda sample: capture_facts(*sample, expected), to_measure)
-        for facts in tqdm(measured, total=len(to_measure), desc="validate", unit="sample", mininterval=5):
-            rows += facts
+    if to_measure:  # torch is imported only then: a job that judges headers alone starts without it
+        rows += _measured(to_measure, expected, job.threads)
     contract = states_manifest_contract(expected.hidden_size, expected.dtype)
     manifest, bad = validate(contract, pd.DataFrame(rows, columns=list(StatesManifest.to_schema().columns)),
                              job.extract_manifest)
@@ -109,6 +107,18 @@ def _samples(job: ValidateJob, tokenized: pd.DataFrame, todo: pd.DataFrame) -> t
     per_sample = sample_states(manifest, covered)
     found += validate(sample_states_contract(names), per_sample, job.extract_manifest)[1]
     return manifest, found
+
+
+def _measured(samples: list[tuple[str, str]], expected: Expected, threads: int) -> list[dict]:
+    """StatesManifest rows of these (sample id, path) files, measured from their bytes."""
+    from eagle3data.measuring import capture_facts
+
+    rows = []
+    with ThreadPoolExecutor(threads, thread_name_prefix="eagle3data-validate") as pool:
+        measured = pool.map(lambda sample: capture_facts(*sample, expected), samples)
+        for facts in tqdm(measured, total=len(samples), desc="validate", unit="sample", mininterval=5):
+            rows += facts
+    return rows
 
 
 def run(job: ValidateJob) -> pd.DataFrame:
