@@ -11,6 +11,7 @@ manifest (failed_samples.py). The shard's manifest is written last, only when ev
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,7 +199,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
     engine = engine_pool.acquire(
         engine_mod.engine_kwargs(
             job.model_path, job.expected.captures, job.expected.dtype, job.max_seq_len, job.engine,
-            job.trust_remote_code, job.samples_dir,
+            job.trust_remote_code, os.path.abspath(job.samples_dir),
         ),
         job.engine["cpu_kv_cache_gib"], [c.__dict__ for c in job.expected.captures], job.engine["keep_alive_s"],
         job.gpus, str(job.run_dir), job.shard_name,
@@ -249,13 +250,16 @@ def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, 
             prompts = [[int(t) for t in r.input_ids] for r in rows]
             watcher.expect(rows, paths)
             began = time.perf_counter()
-            replies = engine.generate(prompts, [str(p) for p in paths])
+            # Absolute: the engine may have been started from another job's directory (the paths
+            # recorded stay relative to the run's, which can move); the key above holds the directory.
+            asked = [os.path.abspath(p) for p in paths]
+            replies = engine.generate(prompts, asked)
             generated = time.perf_counter()
             if len(replies) != len(rows):
                 raise BoundaryError(f"engine returned {len(replies)} outputs for {len(rows)} prompts")
-            for row, path, reply in zip(rows, paths, replies):
+            for row, path, absolute, reply in zip(rows, paths, asked, replies):
                 try:
-                    check_reply(row.sample_id, reply, str(path))
+                    check_reply(row.sample_id, reply, absolute)
                 except BoundaryError as exc:
                     watcher.drop(row.sample_id)
                     _fail(row.sample_id, str(exc), path, failed)
