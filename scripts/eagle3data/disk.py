@@ -13,11 +13,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from eagle3data.logs import get_logger
-from eagle3data.measuring import DTYPES
-from eagle3data.states import Expected
+from eagle3data.states import ITEMSIZES, Expected
 
 logger = get_logger(__name__)
 
@@ -42,7 +39,7 @@ class InputShape:
 
 def sample_bytes(num_tokens: int, expected: Expected) -> int:
     """Size on disk of one sample's states file (at most: the facts' JSON varies by a few bytes)."""
-    itemsize = torch.empty((), dtype=DTYPES[expected.dtype]).element_size()
+    itemsize = ITEMSIZES[expected.dtype]
     per_token = len(expected.captures) * expected.hidden_size * itemsize + TOKEN_ID_BYTES
     return HEADER_BYTES + len(expected.captures) * FACTS_BYTES_PER_CAPTURE + num_tokens * per_token
 

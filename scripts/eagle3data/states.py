@@ -28,6 +28,7 @@ from eagle3data.layers import Capture
 from eagle3data.schemas import BoundaryError, StatesFile, states_file_contract
 
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # the header's names
+ITEMSIZES = {"bfloat16": 2, "float16": 2, "float32": 4}  # bytes a value
 FACTS_KEY = "eagle3data.capture_facts"  # the safetensors metadata entry of `measuring.written_facts`
 SLOT_FACTS = ("rows", "hidden_size", "nbytes", "nonfinite", "zero_fraction", "zero_rows", "identical_rows",
               "mean_norm", "checksum")
