@@ -32,9 +32,9 @@ STORAGE_DTYPES = {"bfloat16": "uint16", "float32": "float32"}  # the states' dty
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
-    import torch
+    from eagle3data.measuring import DTYPES
 
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    return DTYPES[dtype]
 
 
 def features(n_captures: int, hidden_size: int, dtype: str) -> datasets.Features:

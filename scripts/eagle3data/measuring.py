@@ -19,9 +19,9 @@ import torch
 from isal import isal_zlib
 
 from eagle3data.overlap import ahead
-from eagle3data.states import FACTS_KEY, SAFETENSORS_DTYPES, Expected, manifest_rows
+from eagle3data.states import FACTS_KEY, ITEMSIZES, SAFETENSORS_DTYPES, Expected, manifest_rows
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in ITEMSIZES}  # the dtypes states.py knows by name
 # Each float dtype as integers of its width, and its exponent bits (all set: inf or nan).
 _BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
          torch.float32: (torch.int32, 0x7F800000)}

@@ -89,6 +89,9 @@ class ShardPackJob:
     store_dir: str = ""  # the run's store: under drop_packed_states files restored and dropped (packed.py)
     samples_dir: str = ""  # where those files are (Settings.samples_dir); "": the store
 
+    def __post_init__(self):
+        self.samples_dir = self.samples_dir or self.store_dir
+
 
 def _verified_states(sample_id: str, captures: pd.DataFrame, out: torch.Tensor) -> None:
     """Read the sample's states into `out`; refused unless every capture's checksum is the one validate
@@ -198,7 +201,7 @@ def pack_shard(job: ShardPackJob) -> dict:
     seen, dup_rows = packed_earlier(job.duplicates, job.shard), []
     store = restoring(job.store_dir, job.storage)
     if store:  # only what this shard packs: a duplicate stays with the earlier shard
-        restore_missing(store, job.samples_dir or store, tokenized.loc[~tokenized["sample_id"].isin(seen), "sample_id"],
+        restore_missing(store, job.samples_dir, tokenized.loc[~tokenized["sample_id"].isin(seen), "sample_id"],
                         len(meta["captures"]), meta["hidden_size"], meta["dtype"])
     skipped = check(SkippedShard, pd.read_parquet(job.skipped), job.skipped)
     split = _split_samples([tokenized, quarantined, skipped])
@@ -223,10 +226,9 @@ def pack_shard(job: ShardPackJob) -> dict:
         validated = manifest[manifest["sample_id"].isin(duplicates)].sort_values("slot")
         held = held_elsewhere(store, validated.groupby("sample_id")["checksum"].agg(list).to_dict(),
                               len(meta["captures"]), meta["hidden_size"], meta["dtype"])
-        samples = job.samples_dir or store
-        dropped = drop_packed(samples, (set(tokenized["sample_id"]) - duplicates) | set(held))
+        dropped = drop_packed(job.samples_dir, (set(tokenized["sample_id"]) - duplicates) | set(held))
         logger.info("dropped %d states files from %s: %s holds them (storage.drop_packed_states)",
-                    dropped, samples, job.arrow)
+                    dropped, job.samples_dir, job.arrow)
         kill_point(f"dropped:{job.arrow}")
     return summary
 

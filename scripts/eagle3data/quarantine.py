@@ -51,7 +51,9 @@ def quarantine(found: list[Failure], tokenized: pd.DataFrame, paths: dict[str, s
 
 
 def _move(source: Path, target: Path) -> None:
-    """Rename; across filesystems (a file on storage.transport_dir's RAM disk) copy whole, then remove."""
+    """Rename; across filesystems (a file on storage.transport_dir's RAM disk) copy whole under a
+    temporary name, then remove (shutil.move would copy straight to `target`: a crash could leave a
+    partial file there)."""
     try:
         os.replace(source, target)
     except OSError as error:

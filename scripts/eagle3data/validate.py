@@ -61,6 +61,9 @@ class ValidateJob:
     samples_dir: str = ""  # where they come back (Settings.samples_dir); "": restore_from
     read_states: bool = False  # measure every file's bytes even where its header holds the written facts
 
+    def __post_init__(self):
+        self.samples_dir = self.samples_dir or self.restore_from
+
 
 def _tables(job: ValidateJob) -> tuple[pd.DataFrame, pd.DataFrame, list]:
     """The tokenized shard and the extract manifest, checked: (tokenized, extracted, failures)."""
@@ -130,7 +133,7 @@ def run(job: ValidateJob) -> pd.DataFrame:
         todo = todo[todo["sample_id"].isin(tokenized["sample_id"])
                     & ~todo["sample_id"].isin({f.sample_id for f in table})]
         if job.restore_from:
-            restore_missing(job.restore_from, job.samples_dir or job.restore_from, todo["sample_id"],
+            restore_missing(job.restore_from, job.samples_dir, todo["sample_id"],
                             len(job.expected.captures), job.expected.hidden_size, job.expected.dtype)
         manifest, found = _samples(job, tokenized, todo)
     files = [job.tokenized, job.extract_manifest]
