@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,25 @@ def test_durable_writes_sync_the_file_before_the_rename_and_the_directory_after(
 
 def test_writeback_starts_on_linux():
     assert store._sync_file_range is not None  # otherwise make_durable does all the work, at the end
+
+
+def test_pack_reads_a_file_and_its_crcs_as_torch_wrote_them_without_importing_torch(tmp_path):
+    """In a process that never imports torch (as pack_shard's job starts), reading.load_states returns the
+    bf16 bit patterns that safetensors wrote from torch, and each capture's CRC, taken in place on the
+    strided slice, equals zlib's CRC of that capture's bytes copied out by torch."""
+    import zlib
+
+    import torch
+    from safetensors.torch import save_file
+
+    states = torch.randn(5, 3, 8).to(torch.bfloat16)
+    path = tmp_path / "sample.safetensors"
+    save_file({"hidden_states": states, "token_ids": torch.arange(5)}, str(path))
+    expected = [f"{zlib.crc32(states[:, slot].contiguous().view(torch.uint8).numpy()):08x}" for slot in range(3)]
+    code = (
+        "import sys; from eagle3data import pack, validate, index; from eagle3data.reading import checksum, load_states; "
+        f"x = load_states({str(path)!r}); print(x.dtype, list(x.shape), [checksum(x[:, s, :]) for s in range(3)], "
+        "'torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.split(" ", 1) == ["uint16", f"[5, 3, 8] {expected} False\n"]

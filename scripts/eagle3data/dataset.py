@@ -6,8 +6,9 @@ So `hidden_states` holds the raw 16-bit patterns: per sample a list of L rows, e
 `[L, n_captures, H]` without copying. What each slot means is in the metadata (`eagle3` key of the
 dataset info), written by `pack` and checked by `open_dataset`.
 
-torch is imported where tensors are made, not with the module: the index job (rule pack), which only
-writes and checks the dataset's files, then starts without it (~5 s of imports on the H200's VM).
+torch is imported where tensors are made, not with the module: the pack_shard and index jobs, which
+write and check the dataset's files with numpy and Arrow, then start without it (~5 s of imports on the
+H200's VM).
 """
 
 from __future__ import annotations
@@ -52,16 +53,14 @@ def features(n_captures: int, hidden_size: int, dtype: str) -> datasets.Features
     )
 
 
-def states_array(states: torch.Tensor, lengths: list[int], dtype: str) -> pa.Array:
-    """A batch's states, `[sum(lengths), n, H]` with the samples one after another, as the
-    `hidden_states` column: a view of the same memory, bf16 not widened."""
-    import torch
-
-    storage, expected = STORAGE_DTYPES[dtype], torch_dtype(dtype)
-    if states.dtype != expected:
-        raise TypeError(f"hidden_states: expected {expected}, found {states.dtype}")
-    values = pa.array(states.reshape(-1).view(torch.uint16 if storage == "uint16" else states.dtype).numpy())
-    rows = pa.FixedSizeListArray.from_arrays(values, states.shape[1] * states.shape[2])
+def states_array(states: np.ndarray, lengths: list[int], dtype: str) -> pa.Array:
+    """A batch's states, `[sum(lengths), n, H]` with the samples one after another and held as
+    reading.STORAGE holds `dtype` (bf16 as its 16-bit patterns), as the `hidden_states` column: a view of
+    the same memory, bf16 not widened."""
+    storage = np.dtype(STORAGE_DTYPES[dtype])
+    if states.dtype != storage:
+        raise TypeError(f"hidden_states of {dtype}: expected them held as {storage}, found {states.dtype}")
+    rows = pa.FixedSizeListArray.from_arrays(pa.array(states.reshape(-1)), states.shape[1] * states.shape[2])
     return pa.ListArray.from_arrays(pa.array(np.cumsum([0, *lengths], dtype=np.int32)), rows)
 
 
@@ -116,17 +115,21 @@ def read_rows(table: pa.Table, n_captures: int, hidden_size: int, torch_dtype: t
     for i in range(table.num_rows):
         ids = table.column("input_ids")[i].values.to_numpy(zero_copy_only=False)
         mask = table.column("loss_mask")[i].values.to_numpy(zero_copy_only=False)
-        rows = table.column("hidden_states")[i].values  # FixedSizeList, one per token
-        flat = rows.flatten().to_numpy(zero_copy_only=True)
         with warnings.catch_warnings():  # a read-only view of the memory-mapped file, on purpose
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            states = torch.from_numpy(flat).view(torch_dtype)
+            states = torch.from_numpy(stored_states(table, i, n_captures, hidden_size)).view(torch_dtype)
         yield {
             "sample_id": table.column("sample_id")[i].as_py(),
             "input_ids": torch.from_numpy(ids.astype(np.int64)),
             "loss_mask": torch.from_numpy(mask.astype(np.int64)),
-            "hidden_states": states.view(len(ids), n_captures, hidden_size),
+            "hidden_states": states,
         }
+
+
+def stored_states(table: pa.Table, i: int, n_captures: int, hidden_size: int) -> np.ndarray:
+    """Row i's states `[L, n_captures, H]` as stored (bf16 as its 16-bit patterns): a read-only view."""
+    flat = table.column("hidden_states")[i].values.flatten().to_numpy(zero_copy_only=True)
+    return flat.reshape(-1, n_captures, hidden_size)
 
 
 def open_dataset(path: str | Path) -> PackedDataset:

@@ -1,96 +1,44 @@
-"""The tensor side of a states file: reading its `hidden_states`, and measuring the facts validate judges
-(per capture: non-finite values, zeros, zero and identical rows, mean norm, CRC32), for the connector as
-it writes a file (`measured` on the GPU, `written_facts` on the host copy), for validate when a file's
-header holds no facts (`capture_facts`), and for pack, which reads every byte and compares the CRCs
-(`load_states`, `checksum`). One function computes each fact for all of them, so the facts in a header
-and the facts measured from the file are equal bit for bit.
+"""The tensor side of a states file: measuring the facts validate judges (per capture: non-finite
+values, zeros, zero and identical rows, mean norm, CRC32), for the connector as it writes a file
+(`measured` on the GPU, `written_facts` on the host copy) and for validate when a file's header holds no
+facts (`capture_facts`). One function computes each fact for all of them, so the facts in a header and
+the facts measured from the file are equal bit for bit; the reads and the CRCs are reading.py's, which
+pack uses without torch to compare every byte it packs with the CRCs validate recorded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
-import os
 from collections.abc import Iterator
 
 import numpy as np
 import torch
-from isal import isal_zlib
 
+from eagle3data import reading
 from eagle3data.overlap import ahead
-from eagle3data.states import FACTS_KEY, ITEMSIZES, SAFETENSORS_DTYPES, Expected, manifest_rows
+from eagle3data.states import FACTS_KEY, ITEMSIZES, Expected, manifest_rows
 
 DTYPES = {name: getattr(torch, name) for name in ITEMSIZES}  # the dtypes states.py knows by name
 # Each float dtype as integers of its width, and its exponent bits (all set: inf or nan).
 _BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
          torch.float32: (torch.int32, 0x7F800000)}
 _BLOCK_BYTES = 2 << 20  # capture_facts reads and measures this many bytes of tokens at a time
-READ_CHUNK = 1 << 20  # bytes per read call: from disk, 1 MB reads run up to 2x faster than one large one
 
 
-def checksum(x: torch.Tensor) -> str:
-    """CRC32 of a tensor's bytes: recorded by validate, compared by pack when it reads the file again."""
-    return f"{_crc(x):08x}"
+def _numpy(x: torch.Tensor) -> np.ndarray:
+    """x's memory as numpy holds it (reading.STORAGE: bfloat16 as its 16-bit patterns), not copied."""
+    return x.view(torch.uint16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
 
 
-def _crc(x: torch.Tensor, crc: int = 0) -> int:
-    """`crc` continued over x's bytes. Row by row in place: a capture is a strided slice of the file's
-    tensor, and copying it costs more than the CRC. ISA-L's CRC32 (the same values as zlib's) runs at
-    ~22 GB/s over 14 KB rows here, zlib's at ~6: it was the largest cost of validating a sample."""
-    if x.dim() < 2 or x.stride(-1) != 1 or x.is_contiguous():
-        return isal_zlib.crc32(x.contiguous().view(torch.uint8).numpy(), crc)
-    for row in x.reshape(-1, x.shape[-1]).view(torch.uint8).numpy():
-        crc = isal_zlib.crc32(row, crc)
-    return crc
+def _crc(x: torch.Tensor, value: int = 0) -> int:
+    return reading.crc(_numpy(x), value)
 
 
-def _bytes(x: torch.Tensor) -> memoryview:
-    return memoryview(x.view(-1).view(torch.uint8).numpy())
-
-
-def _open_states(f, path: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Read the safetensors header of the open file `f` and seek to `hidden_states`; return `out`
-    (checked: contiguous, the file's shape and dtype) or new memory, to read the states into."""
-    size, header_len = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8), "little")
-    if not 2 <= header_len <= size - 8:
-        raise ValueError(f"{path}: not a safetensors file (header length {header_len}, {size} bytes)")
-    entry = json.loads(f.read(header_len))["hidden_states"]
-    dtype, shape = DTYPES[SAFETENSORS_DTYPES[entry["dtype"]]], list(entry["shape"])
-    begin, end = (8 + header_len + offset for offset in entry["data_offsets"])
-    if end > size or end - begin != math.prod(shape) * dtype.itemsize:
-        raise ValueError(f"{path}: hidden_states {entry} does not fit the file's {size} bytes")
-    if out is None:
-        out = torch.empty(shape, dtype=dtype)
-    elif out.dtype != dtype or list(out.shape) != shape:
-        raise ValueError(f"{path}: hidden_states {dtype} {shape}, expected {out.dtype} {list(out.shape)}")
-    f.seek(begin)
-    return out
-
-
-def _read_into(f, buffer: memoryview, path: str) -> None:
-    done = 0
-    while done < len(buffer):
-        n = f.readinto(buffer[done : done + READ_CHUNK])
-        if not n:
-            raise EOFError(f"{path}: file shrank while being read")
-        done += n
-
-
-def load_states(path: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The file's `hidden_states`, read with plain sequential reads (a memory map costs a page fault per
-    page touched: half the speed from disk, a third from the page cache) into new memory, or into `out`
-    (pack reads each sample straight into its batch)."""
-    with open(path, "rb", buffering=0) as f:
-        out = _open_states(f, path, out)
-        _read_into(f, _bytes(out), path)
-    return out
-
-
-def _read_blocks(f, states: torch.Tensor, step: int, path: str) -> Iterator[int]:
+def _read_blocks(f, states: np.ndarray, step: int, path: str) -> Iterator[int]:
     """Read the states from `f` block by block of `step` tokens; yield each block's first token once read."""
     for start in range(0, states.shape[0], step):
-        _read_into(f, _bytes(states[start : start + step]), path)
+        reading.read_into(f, reading.as_bytes(states[start : start + step]), path)
         yield start
 
 
@@ -164,12 +112,13 @@ def capture_facts(sample_id: str, path: str, expected: Expected) -> list[dict]:
 
     Streamed block by block of tokens: per token and capture the `measure`, and the CRC continued."""
     with open(path, "rb", buffering=0) as f:
-        states = _open_states(f, path)
+        array, dtype = reading.open_states(f, path)
+        states = torch.from_numpy(array).view(DTYPES[dtype])
         tokens, n, hidden = states.shape
         norms, low, crcs = torch.empty(tokens, n), torch.empty(tokens, n, dtype=_BITS[states.dtype][0]), [0] * n
         step = max(1, _BLOCK_BYTES // (n * hidden * states.element_size()))  # small, reused temporaries
         # The next block is read while this one is measured; closed (the read finished) before f is.
-        with contextlib.closing(ahead(_read_blocks(f, states, step, path))) as blocks:
+        with contextlib.closing(ahead(_read_blocks(f, array, step, path))) as blocks:
             for start in blocks:
                 block = states[start : start + step]
                 norms[start : start + step], low[start : start + step] = measure(block)

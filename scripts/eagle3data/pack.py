@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
-import torch
 from datasets.arrow_writer import ArrowWriter
 
 from eagle3data import dataset as fmt
@@ -46,7 +46,7 @@ from eagle3data.schemas import (
     sample_states_contract,
     states_manifest_contract,
 )
-from eagle3data.measuring import DTYPES, checksum, load_states
+from eagle3data.reading import STORAGE, checksum, load_states
 from eagle3data.store import atomic_path, atomic_write_text
 from eagle3data.testing import kill_point
 
@@ -93,7 +93,7 @@ class ShardPackJob:
         self.samples_dir = self.samples_dir or self.store_dir
 
 
-def _verified_states(sample_id: str, captures: pd.DataFrame, out: torch.Tensor) -> None:
+def _verified_states(sample_id: str, captures: pd.DataFrame, out: np.ndarray) -> None:
     """Read the sample's states into `out`; refused unless every capture's checksum is the one validate
     recorded."""
     path = captures["path"].iloc[0]
@@ -153,12 +153,12 @@ def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, d
             continue
         seen.add(row.sample_id)
         rows.append(row)
-    dtype = DTYPES[meta["dtype"]]
-    token_bytes = len(meta["captures"]) * meta["hidden_size"] * dtype.itemsize
+    storage = STORAGE[meta["dtype"]]
+    token_bytes = len(meta["captures"]) * meta["hidden_size"] * storage.itemsize
     for chunk in _chunks(rows, batch_size, BATCH_BYTES // token_bytes):
         lengths = [int(r.num_tokens) for r in chunk]
         # The batch's states in one buffer, each sample read straight into its place: nothing to concatenate.
-        states = torch.empty(sum(lengths), len(meta["captures"]), meta["hidden_size"], dtype=dtype)
+        states = np.empty((sum(lengths), len(meta["captures"]), meta["hidden_size"]), dtype=storage)
         for r, end, length in zip(chunk, itertools.accumulate(lengths), lengths):
             _verified_states(r.sample_id, captures[r.sample_id], states[end - length : end])
         yield {
@@ -225,7 +225,7 @@ def pack_shard(job: ShardPackJob) -> dict:
         duplicates = {d["sample_id"] for d in dup_rows}  # packed by an earlier shard, maybe not yet
         validated = manifest[manifest["sample_id"].isin(duplicates)].sort_values("slot")
         held = held_elsewhere(store, validated.groupby("sample_id")["checksum"].agg(list).to_dict(),
-                              len(meta["captures"]), meta["hidden_size"], meta["dtype"])
+                              len(meta["captures"]), meta["hidden_size"])
         dropped = drop_packed(job.samples_dir, (set(tokenized["sample_id"]) - duplicates) | set(held))
         logger.info("dropped %d states files from %s: %s holds them (storage.drop_packed_states)",
                     dropped, job.samples_dir, job.arrow)

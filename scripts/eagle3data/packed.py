@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eagle3data.logs import get_logger
+from eagle3data.reading import checksum
 from eagle3data.store import atomic_path, sample_path
 
 logger = get_logger(__name__)
@@ -50,21 +51,29 @@ def restore_missing(store_dir: str | os.PathLike, samples_dir: str | os.PathLike
                     hidden_size: int, dtype: str) -> list[str]:
     """Write back under `samples_dir` (the store, or its directory under storage.transport_dir), from the
     store's packed shards, the files of these samples that are missing there; the ids restored."""
-    from safetensors.torch import save_file
-
-    from eagle3data.measuring import facts_header
-
     missing = {s for s in sample_ids if not sample_path(samples_dir, s).exists()}
     restored = []
-    for row in _packed_rows(store_dir, missing, n_captures, hidden_size, dtype):
-        with atomic_path(sample_path(samples_dir, row["sample_id"])) as tmp:
-            states = row["hidden_states"].contiguous()
-            save_file({"hidden_states": states, "token_ids": row["input_ids"]}, tmp, metadata=facts_header(states))
-        restored.append(row["sample_id"])
+    for sample_id, table, i in _packed_rows(store_dir, missing):
+        _write_back(sample_path(samples_dir, sample_id), table.slice(i, 1), n_captures, hidden_size, dtype)
+        restored.append(sample_id)
     if restored:
         logger.info("restored %d dropped states files from the packed shards in %s", len(restored),
                     packed_dir(store_dir))
     return restored
+
+
+def _write_back(path: Path, table, n_captures: int, hidden_size: int, dtype: str) -> None:
+    """A packed row (a table of one) as the per-sample file it was, facts measured into its header. Torch
+    and the tensor code are imported only here: the jobs that import this module rarely restore anything."""
+    from safetensors.torch import save_file
+
+    from eagle3data.dataset import read_rows, torch_dtype
+    from eagle3data.measuring import facts_header
+
+    row = next(read_rows(table, n_captures, hidden_size, torch_dtype(dtype)))
+    with atomic_path(path) as tmp:
+        states = row["hidden_states"].contiguous()
+        save_file({"hidden_states": states, "token_ids": row["input_ids"]}, tmp, metadata=facts_header(states))
 
 
 def drop_packed(samples_dir: str | os.PathLike, sample_ids) -> int:
@@ -82,33 +91,34 @@ def drop_packed(samples_dir: str | os.PathLike, sample_ids) -> int:
 
 
 def held_elsewhere(store_dir: str | os.PathLike, checksums: dict[str, list[str]], n_captures: int,
-                   hidden_size: int, dtype: str) -> list[str]:
+                   hidden_size: int) -> list[str]:
     """Of these samples (id -> the checksums validate recorded, in slot order), those a packed shard
     holds bit for bit: a duplicate's file may go only when the copy that stays is the one validated."""
-    from eagle3data.measuring import checksum
+    from eagle3data.dataset import stored_states
 
-    return [row["sample_id"] for row in _packed_rows(store_dir, set(checksums), n_captures, hidden_size, dtype)
-            if [checksum(row["hidden_states"][:, slot, :]) for slot in range(n_captures)]
-            == checksums[row["sample_id"]]]
+    held = []
+    for sample_id, table, i in _packed_rows(store_dir, set(checksums)):
+        states = stored_states(table, i, n_captures, hidden_size)
+        if [checksum(states[:, slot, :]) for slot in range(n_captures)] == checksums[sample_id]:
+            held.append(sample_id)
+    return held
 
 
-def _packed_rows(store_dir, wanted: set[str], n_captures: int, hidden_size: int, dtype: str) -> Iterator[dict]:
-    """The rows of the packed shards holding these samples, the first found of each; the files are
-    memory-mapped, so only those rows' states are read. (`datasets`, torch and the tensor code are
-    imported where used: the jobs that import this module rarely restore anything, and the index job
-    never: on the H200's VM torch alone takes ~5 s to import.)"""
+def _packed_rows(store_dir, wanted: set[str]) -> Iterator[tuple[str, object, int]]:
+    """Where the packed shards hold these samples, the first found of each: (id, the shard's table, the
+    row). The files are memory-mapped, so only those rows' states are read. (`datasets` is imported only
+    when something is wanted: the validate job, which imports this module, then starts without it.)"""
+    wanted = set(wanted)
+    if not wanted:
+        return
     import datasets
 
-    from eagle3data.dataset import read_rows
-    from eagle3data.measuring import DTYPES
-
-    wanted = set(wanted)
-    for arrow in sorted(packed_dir(store_dir).glob("shard-*.arrow")) if wanted else []:
+    for arrow in sorted(packed_dir(store_dir).glob("shard-*.arrow")):
         table = datasets.Dataset.from_file(str(arrow)).data.table
         for i, sample_id in enumerate(table.column("sample_id").to_pylist()):
             if sample_id in wanted:
                 wanted.discard(sample_id)
-                yield next(read_rows(table.slice(i, 1), n_captures, hidden_size, DTYPES[dtype]))
+                yield sample_id, table, i
         if not wanted:
             return
 

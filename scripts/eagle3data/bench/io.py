@@ -31,7 +31,8 @@ from safetensors.torch import save_file
 from eagle3data.bench import REPO
 from eagle3data.schemas import ExtractManifest, SkippedShard, check
 from eagle3data.settings import Settings
-from eagle3data.measuring import READ_CHUNK, facts_header
+from eagle3data.measuring import facts_header
+from eagle3data.reading import READ_CHUNK
 from eagle3data.shapes import write_shape
 from eagle3data.store import atomic_path, sample_path
 from eagle3data.bench.synthetic import random_prompts, write_token_shard
