@@ -30,7 +30,6 @@ Loaded by vLLM in the engine's worker process via `kv_connector_module_path`.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from functools import partial
@@ -55,10 +54,6 @@ logger = get_logger(__name__)
 
 GATHER_TOKENS = 4096  # tokens gathered on the GPU at once (a temporary of this many states)
 LOG_EVERY = 1024  # requests between two reports of the engine thread's time in the connector
-# The engine thread gives Python's lock up at each CUDA call and, while the writer threads run Python
-# (the facts, the headers), waits up to the interpreter's switch interval (5 ms) to get it back: a few
-# such waits a request. On GPU the engine process switches threads this often instead (seconds).
-SWITCH_INTERVAL_S = 0.0005
 
 
 class _AlreadyDone:
@@ -83,7 +78,6 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         self._writers = {"files": 0, "copy_wait": 0.0, "write": 0.0}  # summed over the writer threads
         self._writers_lock = threading.Lock()
         if self._is_tp_rank_zero and self._kv_cache.is_cuda:
-            sys.setswitchinterval(SWITCH_INTERVAL_S)
             one_slot = torch.zeros(1, dtype=torch.long, device=self._kv_cache.device)
             per_token = tuple(extract_from_kv_cache(self._kv_cache, one_slot, 1).shape[1:])  # [n_captures, H]
             max_tokens = self._vllm_config.model_config.max_model_len
@@ -94,12 +88,11 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             # Per group of requests gathered at once, their states' `measured` facts (one copy a group).
             self._measures = PinnedBuffers(count, max(GATHER_TOKENS, max_tokens), (2, per_token[0]), torch.float32)
         logger.info(
-            "hidden-states connector ready (tp_rank0=%s, buffer %s %s on %s, thread switch interval %.1f ms)",
+            "hidden-states connector ready (tp_rank0=%s, buffer %s %s on %s)",
             self._is_tp_rank_zero,
             tuple(self._kv_cache.shape),
             self._kv_cache.dtype,
             self._kv_cache.device,
-            sys.getswitchinterval() * 1e3,
         )
 
     @staticmethod
