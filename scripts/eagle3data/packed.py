@@ -54,7 +54,7 @@ def restore_missing(store_dir: str | os.PathLike, samples_dir: str | os.PathLike
     missing = {s for s in sample_ids if not sample_path(samples_dir, s).exists()}
     restored = []
     for sample_id, table, i in _packed_rows(store_dir, missing):
-        _write_back(sample_path(samples_dir, sample_id), table.slice(i, 1), n_captures, hidden_size, dtype)
+        _restore_file(sample_path(samples_dir, sample_id), table.slice(i, 1), n_captures, hidden_size, dtype)
         restored.append(sample_id)
     if restored:
         logger.info("restored %d dropped states files from the packed shards in %s", len(restored),
@@ -62,7 +62,7 @@ def restore_missing(store_dir: str | os.PathLike, samples_dir: str | os.PathLike
     return restored
 
 
-def _write_back(path: Path, table, n_captures: int, hidden_size: int, dtype: str) -> None:
+def _restore_file(path: Path, table, n_captures: int, hidden_size: int, dtype: str) -> None:
     """A packed row (a table of one) as the per-sample file it was, facts measured into its header. Torch
     and the tensor code are imported only here: the jobs that import this module rarely restore anything."""
     from safetensors.torch import save_file

@@ -122,13 +122,13 @@ case "$what" in
     # The machine each second (CPU busy/idle/iowait, blocks written, dirty memory) for where the tail goes.
     cat /proc/sys/vm/dirty_ratio /proc/sys/vm/dirty_background_ratio > "$OUT/vmstat-figures.txt"
     (while :; do echo "$(date -u +%T) $(vmstat 1 2 | tail -1) $(grep -E '^(Dirty|Writeback):' /proc/meminfo | tr -s ' ' | tr '\n' ' ')"; done >> "$OUT/vmstat-figures.txt") &
-    local_vmstat=$!
+    vmstat_pid=$!
     timeout 570 python3 -m eagle3data.bench --figures 1,7 --device cuda --model /tmp/llama-8b \
       --captures 2:input,16:input,29:input,31:output --prompts "${FIGURE1_PROMPTS:-2048}" --tokens 512 \
       --conversations 6144 --shards 8 --jobs-per-engine "${JOBS_PER_ENGINE:-2}" --transport-dir "${TRANSPORT_DIR:-}" \
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
       --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
-    echo "benchmark: exit $?"; kill $local_vmstat; grep -E "^figure|^          " /tmp/figures.log; tail -n 3 /tmp/figures.log
+    echo "benchmark: exit $?"; kill $vmstat_pid; grep -E "^figure|^          " /tmp/figures.log; tail -n 3 /tmp/figures.log
     cat /tmp/figures.log /tmp/benchmark/*.log /tmp/benchmark/logs/engine/*.log /tmp/benchmark/e2e/snakemake.log \
       /tmp/benchmark/e2e/results/bench-e2e/logs/*/*.log > "$OUT/log-figures.txt" 2>/dev/null
     df -h /tmp | tail -1; rm -rf /tmp/benchmark
