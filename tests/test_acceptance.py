@@ -31,8 +31,16 @@ def test_aligned_data_beats_the_shifted_control_in_served_acceptance(smollm2, tm
         assert total == 12 and equal >= 6, proc.stdout
         assert all(d["gap"] is not None and d["gap"] < 0.3 for d in arm["divergences"]), arm["divergences"]
         assert arm["spec"]["drafts"] > 100 and arm["steps"] > 0
-    # Clearly lower: the shifted draft's accepted tokens are at most half of the aligned draft's.
-    assert shifted["spec"]["accepted"] * 2 <= aligned["spec"]["accepted"], proc.stdout
+    # Clearly lower. A first drafted token can be guessed from the sampled token's embedding alone, which
+    # a misaligned draft still learns (the shifted draft's first position was accepted 28-45 times in 482-499
+    # drafts, the aligned one's 72-76 in 435-442); every later position needs the draft's own states, which
+    # the shift ruins (1 against 18 in each run so far). Per draft: the arms draft different numbers of times.
+    assert beyond_first_per_draft(shifted) * 4 <= beyond_first_per_draft(aligned), proc.stdout
     assert shifted["spec"]["mean_acceptance_length"] < aligned["spec"]["mean_acceptance_length"], proc.stdout
     # The teacher-forced control on the target's own answers agrees with serving.
     assert shifted["teacher_forced_acc"][0] < aligned["teacher_forced_acc"][0], proc.stdout
+
+
+def beyond_first_per_draft(arm: dict) -> float:
+    """Draft tokens accepted after the first drafted position, per verification step."""
+    return sum(arm["spec"]["accepted_per_pos"][1:]) / arm["spec"]["drafts"]

