@@ -75,9 +75,11 @@ def check_order(export: Path, model: Path, prompts: list[str]) -> None:
             raise RuntimeError(f"{export}: row {i} does not hold prompt {i} ({prompt!r})")
 
 
-def training_dir(train: Path, n_train: int, evaluation: Path, n_eval: int, out: Path, shift: bool = False) -> None:
-    """Write `out` in speculators' layout: the first `n_train` rows of the export `train` (states rolled
-    by one token when `shift`), then the last `n_eval` rows of the export `evaluation`, never rolled,
+def training_dir(train: Path, n_train: int, evaluation: Path, n_eval: int, out: Path, shift: bool = False,
+                 train_rows: list[int] | None = None) -> None:
+    """Write `out` in speculators' layout: the first `n_train` rows of the export `train`, or its rows
+    `train_rows` in that order (speculators' own data is shuffled), states rolled by one token when
+    `shift`; then the last `n_eval` rows of the export `evaluation`, never rolled,
     for validation. Token counts are taken over the training rows alone (trainable tokens, as the
     pipeline counts them), so the trainer derives the draft vocabulary without seeing the validation
     answers."""
@@ -88,7 +90,9 @@ def training_dir(train: Path, n_train: int, evaluation: Path, n_eval: int, out: 
     columns = ["input_ids", "loss_mask", "seq_len"]
     a, b = load_from_disk(str(train)).select_columns(columns), load_from_disk(str(evaluation)).select_columns(columns)
     first_eval = len(b) - n_eval
-    rows = concatenate_datasets([a.select(range(n_train)), b.select(range(first_eval, len(b)))])
+    picked = list(range(n_train)) if train_rows is None else train_rows
+    # cast: speculators' own rows are int64 throughout, the export's int32/int8 (the values agree)
+    rows = concatenate_datasets([a.select(picked).cast(b.features), b.select(range(first_eval, len(b)))])
     rows.set_format("torch")
     rows.save_to_disk(str(out))
     counts = Counter()
@@ -98,7 +102,7 @@ def training_dir(train: Path, n_train: int, evaluation: Path, n_eval: int, out: 
     states = out / "hidden_states"
     states.mkdir()
     for i in range(n_train):
-        source = train / "hidden_states" / f"hs_{i}.safetensors"
+        source = train / "hidden_states" / f"hs_{picked[i]}.safetensors"
         if shift:
             tensors = load_file(str(source))
             tensors["hidden_states"] = torch.roll(tensors["hidden_states"], 1, dims=0)
