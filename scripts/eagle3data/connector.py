@@ -56,7 +56,7 @@ GATHER_TOKENS = 4096  # tokens gathered on the GPU at once (a temporary of this 
 LOG_EVERY = 1024  # requests between two reports of the engine thread's time in the connector
 
 
-class _AlreadyDone:
+class AlreadyDone:
     """Stands in for a CUDA event on CPU, where the copy has finished when it returns."""
 
     def query(self) -> bool:
@@ -150,9 +150,9 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         slots = torch.from_numpy(request_slots(pending.block_ids, self._block_size, num_tokens))
         states = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
         tensors = {"hidden_states": states, "token_ids": pending.token_ids.clone()}
-        self._write_tensors(tensors, measured(states), _AlreadyDone(),
+        self._write_tensors(tensors, measured(states), AlreadyDone(),
                             pending.filename, self._lock_fds.pop(pending.req_id, None))
-        self._req_copy_events[pending.req_id] = _AlreadyDone()
+        self._req_copy_events[pending.req_id] = AlreadyDone()
         logger.debug("wrote %s (%d tokens)", pending.filename, num_tokens)
 
     def _copy_and_write(self, pendings: list[PendingSave], states_written: torch.cuda.Event) -> None:

@@ -31,16 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-
-class CopyDone:
-    """What the stock connector expects of its CUDA copy event, for a copy that finished when it was
-    made: `get_finished` polls `query()`, the writer thread calls `synchronize()` before saving."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
+from eagle3data.connector import AlreadyDone, request_slots
 
 
 class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
@@ -56,7 +47,7 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
             raise RuntimeError(f"request {pending.req_id}: a write is already in flight, expected none")
         tensors = {"hidden_states": self._copy_states(pending), "token_ids": pending.token_ids.clone()}
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
-        done = CopyDone()
+        done = AlreadyDone()  # get_finished polls it; the writer thread synchronizes on it
         future = self._executor.submit(self._write_tensors, tensors, done, pending.filename,
                                        self._held_lock(pending))
         self._req_copy_events[pending.req_id] = done
@@ -65,9 +56,9 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
 
     def _copy_states(self, pending: PendingSave) -> torch.Tensor:
         """The request's states [T, n_layers, H], gathered from its blocks into memory of their own."""
-        blocks = torch.tensor(pending.block_ids, dtype=torch.long)
-        slots = (blocks[:, None] * self._block_size + torch.arange(self._block_size)).flatten()
-        return extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0]).clone()
+        tokens = pending.token_ids.shape[0]
+        slots = torch.from_numpy(request_slots(pending.block_ids, self._block_size, tokens))
+        return extract_from_kv_cache(self._kv_cache, slots, tokens).clone()
 
     def _held_lock(self, pending: PendingSave) -> int | None:
         """The `.lock` fd holding LOCK_EX that `wait_for_save` opened when the request arrived (one is
