@@ -45,3 +45,25 @@ def test_aligned_data_beats_the_shifted_control_in_served_acceptance(smollm2, tm
 def beyond_first_per_draft(arm: dict) -> float:
     """Draft tokens accepted after the first drafted position, per verification step."""
     return sum(arm["spec"]["accepted_per_pos"][1:]) / arm["spec"]["drafts"]
+
+
+def test_the_cpu_stand_in_for_specforges_triton_loss_is_its_reference():
+    """Arm (e) trains with SpecForge on CPU, where its Triton KL loss cannot run: the stand-in
+    (eagle3data.bench.specforge_train) gives the values and gradients of the kernel's own reference,
+    `specforge.core.loss._compute_loss` without its torch.compile."""
+    import inspect
+
+    import torch
+    from specforge.core import loss
+
+    from eagle3data.bench.specforge_train import EagerLogSoftmaxLoss
+
+    reference = inspect.unwrap(loss._compute_loss)
+    assert reference is not loss._compute_loss  # the compiled wrapper's own function
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, 64, generator=generator).to(torch.bfloat16).requires_grad_()
+    target_p = torch.softmax(torch.randn(2, 7, 64, generator=generator), dim=-1)
+    mask = (torch.rand(2, 7, 1, generator=generator) > 0.3).float()
+    ours, theirs = EagerLogSoftmaxLoss.apply(logits, target_p, mask), reference(logits, target_p, mask)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(torch.autograd.grad(ours, logits)[0], torch.autograd.grad(theirs, logits)[0])

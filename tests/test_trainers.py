@@ -1,5 +1,6 @@
 """The packed demo dataset feeds real EAGLE-3 trainers: speculators 0.9 trains on its export (on CPU, via
-eagle3data.bench.speculators_cpu), SpecForge 0.2's offline reader reads its export tensor for tensor as the packed
+eagle3data.bench.speculators_cpu), SpecForge 0.2 trains on its export (on CPU, via
+eagle3data.bench.specforge_train), SpecForge's offline reader reads its export tensor for tensor as the packed
 dataset holds them, and both libraries accept the pipeline's draft vocabulary.
 
 The trainers are test-only dependencies (envs/setup.sh installs them with --no-deps, keeping this torch).
@@ -115,6 +116,32 @@ def test_speculators_trains_on_its_export_on_cpu(exported, tmp_path):
     assert [t["error_records"] for t in train] == [0.0] * len(train)
     assert "match input ids" not in output
     assert val[-1] < 0.95 * val[0], f"validation loss by epoch: {val}"
+
+
+def test_specforge_trains_on_its_export_on_cpu(exported, tmp_path):
+    """SpecForge 0.2's own trainer, on CPU through eagle3data.bench.specforge_train (DDP, its loss in eager
+    torch), trains a draft from the export with validation loss falling, and `specforge export --to sglang`
+    writes the draft vLLM loads as `eagle3`: the export's draft vocabulary and mapping, its aux layers in
+    vLLM's numbering."""
+    from eagle3data.bench.acceptance_specforge import train_specforge
+    from eagle3data.bench.acceptance_train import Recipe
+
+    run, _ = exported
+    export = run / RUN / "export" / "specforge"
+    samples = len(list((export / "hidden_states").glob("*.ckpt")))
+    recipe = Recipe(epochs=4, lr=3e-3, draft_vocab=256, total_seq_len=512)
+    trained = train_specforge(export, samples - 4, 4, run / MODEL, recipe, tmp_path / "e", tmp_path / "train.log")
+    # The demo target's random weights leave little to learn (2.974, 2.950, 2.941, 2.940 measured): the
+    # loss on the held-out rows falls every epoch.
+    losses = [e["eval/avg_loss"] for e in trained["val_by_epoch"]]
+    assert len(losses) == 4 and all(b < a for a, b in zip(losses, losses[1:])), f"validation loss by epoch: {losses}"
+    assert trained["steps"] == 4 * (samples - 4)
+    draft = Path(trained["draft"])
+    config = json.loads((draft / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 256
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # SpecForge's 1, 3, 4
+    mapping, weights = torch.load(export / "vocab_mapping.pt"), load_file(draft / "model.safetensors")
+    assert torch.equal(weights["d2t"], mapping["d2t"]) and torch.equal(weights["t2d"], mapping["t2d"])
 
 
 def test_the_reader_export_holds_no_states_and_speculators_reads_the_packed_ones(exported, tmp_path):
