@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Figure 8's arm (e) trained on the lent GPU: SpecForge 0.2, with its GPU defaults (FSDP, flex attention,
 # its Triton loss), from this pipeline's SpecForge export; the draft comes back under $OUT and is served
-# on the CPU machine (docs/gpu-run.md, fourteenth session). Carried in three calls, .gpu-sf/call-0..2
-# (ignored): the wheels SpecForge needs beyond the image (pydantic, accelerate, datasets, ...) and the
-# export as a tar; the target's embedding-only checkpoint as a tar in two pieces, with its sha256.
+# on the CPU machine (docs/gpu-run.md, fifteenth session). Carried over several calls in .gpu-sf/call-N
+# (ignored; made by hand): the wheels SpecForge needs beyond the image (pydantic, accelerate, datasets,
+# ...) and two tars, each whole or as pieces with its sha256 (NAME.part-*, NAME.sha256): export.tar (a
+# SpecForge export, top folder `specforge`) and slim.tar (the target's config, tokenizer and
+# embedding-only checkpoint, top folder `slim`).
 #
-#   bash scripts/gpu/specforge.sh collect N        # call N's files to /tmp/sf (call 0 also installs)
-#   bash scripts/gpu/specforge.sh train ARGS...    # join, check, train: ARGS go to acceptance_specforge
+#   bash scripts/gpu/specforge.sh collect N        # call N's files to /tmp/sf (call 0 also installs the wheels)
+#   bash scripts/gpu/specforge.sh train ARGS...    # join and check the tars, train: ARGS go to acceptance_specforge
 set -euo pipefail
 mkdir -p /tmp/sf
 case "$1" in
@@ -14,10 +16,15 @@ case "$1" in
     cp -r ".gpu-sf/call-$2/." /tmp/sf/
     if [[ "$2" == 0 ]]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/sfsite /tmp/sf/*.whl
-      tar -C /tmp/sf -xf /tmp/sf/export.tar
     fi ;;
   train)
-    ( cd /tmp/sf && cat slim.part-* > slim.tar && echo "$(cat slim.sha256)  slim.tar" | sha256sum -c - && tar -xf slim.tar )
+    ( cd /tmp/sf
+      for name in export slim; do
+        if compgen -G "$name.part-*" > /dev/null; then
+          cat "$name".part-* > "$name.tar" && echo "$(cat "$name.sha256")  $name.tar" | sha256sum -c -
+        fi
+        tar -xf "$name.tar"
+      done )
     export PYTHONPATH="/tmp/sfsite:$PWD/scripts" PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     python3 -c "import torch, transformers, specforge; print(torch.__version__, transformers.__version__)"
