@@ -1,0 +1,143 @@
+"""Diagnostic (issue 20, figure 7): how fast N writer threads write states files the connector's way, and
+how much they delay a Python thread beside them (vLLM's engine thread, which needs Python's lock between
+forward passes). No vLLM, no GPU work: the connector's own per-file steps on pinned host memory.
+
+    python3 scripts/gpu/writer_threads.py --dir /dev/shm/writers --out writers.json
+
+Variants: `connector` (written_facts, then save_file through atomic_path(durable=False): what the writer
+threads do today), `facts` and `save_file` alone, `plain` (the same bytes as save_file writes, from
+Python's unbuffered file write of the pinned memory), `facts-scratch` (written_facts with each capture
+copied for its CRC into a buffer reused by the thread, not a new tensor) and combinations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from eagle3data import reading
+from eagle3data.measuring import measured, slot_facts, written_facts
+from eagle3data.states import FACTS_KEY
+from eagle3data.store import atomic_path
+
+
+def plain_write(path: str, states: torch.Tensor, token_ids: torch.Tensor, metadata: dict) -> None:
+    """A safetensors file written without the library: header, then the tensors' memory as it is."""
+    sizes = [states.numel() * states.element_size(), token_ids.numel() * token_ids.element_size()]
+    header = {"__metadata__": metadata,
+              "hidden_states": {"dtype": "BF16", "shape": list(states.shape), "data_offsets": [0, sizes[0]]},
+              "token_ids": {"dtype": "I64", "shape": list(token_ids.shape), "data_offsets": [sizes[0], sum(sizes)]}}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb", buffering=0) as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.write(memoryview(states.view(torch.uint8).numpy().reshape(-1)))
+        f.write(memoryview(token_ids.numpy().view(np.uint8)))
+
+
+_scratch = threading.local()
+
+
+def facts_in_scratch(states: torch.Tensor, norms: torch.Tensor, low: torch.Tensor) -> str:
+    """written_facts, each capture copied for its CRC into one buffer per thread, reused (no allocation)."""
+    x = states.view(torch.uint16).numpy()
+    if getattr(_scratch, "buffer", None) is None or _scratch.buffer.shape != x[:, 0].shape:
+        _scratch.buffer = np.empty_like(x[:, 0])
+    crcs = []
+    for slot in range(x.shape[1]):
+        np.copyto(_scratch.buffer, x[:, slot])
+        crcs.append(reading.crc(_scratch.buffer))
+    return json.dumps(slot_facts(states, norms, low, crcs))
+
+
+def variant(name: str, states: torch.Tensor, token_ids: torch.Tensor, measures: torch.Tensor):
+    fixed = {FACTS_KEY: written_facts(states, measures[:, 0], measures[:, 1])}
+    assert facts_in_scratch(states, measures[:, 0], measures[:, 1]) == fixed[FACTS_KEY]
+
+    def write(path: str) -> None:
+        measure = facts_in_scratch if "scratch" in name else written_facts
+        facts = {FACTS_KEY: measure(states, measures[:, 0], measures[:, 1])} if "facts" in name or \
+            name == "connector" else fixed
+        if name.startswith("facts") and "+" not in name:
+            return
+        with atomic_path(path, durable=False) as tmp:
+            if name in ("connector", "save_file"):
+                save_file({"hidden_states": states, "token_ids": token_ids}, tmp, metadata=facts)
+            else:
+                plain_write(tmp, states, token_ids, facts)
+    return write
+
+
+def probe(stop: threading.Event, delays: list[float]) -> None:
+    """A small piece of Python work every 1 ms, timed: how long the engine's thread would take for it."""
+    while not stop.is_set():
+        began = time.perf_counter()
+        sum(range(2000))
+        delays.append(time.perf_counter() - began)
+        time.sleep(0.001)
+
+
+def run(name: str, threads: int, files: int, directory: Path, tensors) -> dict:
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    write = variant(name, *tensors)
+    stop, delays = threading.Event(), []
+    prober = threading.Thread(target=probe, args=(stop, delays))
+    prober.start()
+    began = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda i: write(str(directory / f"{i:06d}.safetensors")), range(files)))
+    seconds = time.perf_counter() - began
+    stop.set()
+    prober.join()
+    return {"variant": name, "threads": threads, "files": files, "files_per_s": files / seconds,
+            "probe_median_us": statistics.median(delays) * 1e6, "probe_p99_us": np.percentile(delays, 99) * 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tokens", type=int, default=175)  # figure 7's mean conversation
+    parser.add_argument("--captures", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=4096)  # the 8B shape
+    parser.add_argument("--files", type=int, default=2000)
+    parser.add_argument("--threads", default="1,8,16")
+    parser.add_argument("--variants", default="connector,facts,facts-scratch,save_file,plain,facts+plain,"
+                                              "facts-scratch+plain")
+    args = parser.parse_args()
+    pin = torch.cuda.is_available()
+    states = torch.randn(args.tokens, args.captures, args.hidden).to(torch.bfloat16)
+    states = states.pin_memory() if pin else states
+    tensors = (states, torch.arange(args.tokens), measured(states))
+    stop, idle = threading.Event(), []
+    prober = threading.Thread(target=probe, args=(stop, idle))
+    prober.start()
+    time.sleep(1)
+    stop.set()
+    prober.join()
+    results = {"shape": [args.tokens, args.captures, args.hidden], "pinned": pin, "torch_threads": torch.get_num_threads(),
+               "probe_idle_median_us": statistics.median(idle) * 1e6, "runs": []}
+    print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
+    for threads in map(int, args.threads.split(",")):
+        for name in args.variants.split(","):
+            r = run(name, threads, args.files, args.dir, tensors)
+            results["runs"].append(r)
+            print(f"{name:12s} threads {threads:2d}: {r['files_per_s']:7.1f} files/s; probe median "
+                  f"{r['probe_median_us']:7.1f} us, p99 {r['probe_p99_us']:8.1f} us", flush=True)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
