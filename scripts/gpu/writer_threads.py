@@ -13,11 +13,13 @@ copied for its CRC into a buffer reused by the thread, not a new tensor) and com
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3data import reading
-from eagle3data.measuring import measured, slot_facts, written_facts
+from eagle3data.measuring import _numpy, measured, slot_facts, written_facts
 from eagle3data.states import FACTS_KEY
 from eagle3data.store import atomic_path
 
@@ -50,31 +52,43 @@ _scratch = threading.local()
 
 def facts_in_scratch(states: torch.Tensor, norms: torch.Tensor, low: torch.Tensor) -> str:
     """written_facts, each capture copied for its CRC into one buffer per thread, reused (no allocation)."""
-    x = states.view(torch.uint16).numpy()
-    if getattr(_scratch, "buffer", None) is None or _scratch.buffer.shape != x[:, 0].shape:
-        _scratch.buffer = np.empty_like(x[:, 0])
+    values = _numpy(states)
+    if getattr(_scratch, "buffer", None) is None or _scratch.buffer.shape != values[:, 0].shape:
+        _scratch.buffer = np.empty_like(values[:, 0])
     crcs = []
-    for slot in range(x.shape[1]):
-        np.copyto(_scratch.buffer, x[:, slot])
+    for slot in range(values.shape[1]):
+        np.copyto(_scratch.buffer, values[:, slot])
         crcs.append(reading.crc(_scratch.buffer))
     return json.dumps(slot_facts(states, norms, low, crcs))
 
 
+def save_with_library(path: str, states: torch.Tensor, token_ids: torch.Tensor, metadata: dict) -> None:
+    save_file({"hidden_states": states, "token_ids": token_ids}, path, metadata=metadata)
+
+
+# name: (how each file's facts are measured, or None: measured once beforehand; how it is written, or None)
+VARIANTS = {
+    "connector": (written_facts, save_with_library),
+    "facts": (written_facts, None),
+    "facts-scratch": (facts_in_scratch, None),
+    "save_file": (None, save_with_library),
+    "plain": (None, plain_write),
+    "facts+plain": (written_facts, plain_write),
+    "facts-scratch+plain": (facts_in_scratch, plain_write),
+}
+
+
 def variant(name: str, states: torch.Tensor, token_ids: torch.Tensor, measures: torch.Tensor):
-    fixed = {FACTS_KEY: written_facts(states, measures[:, 0], measures[:, 1])}
-    assert facts_in_scratch(states, measures[:, 0], measures[:, 1]) == fixed[FACTS_KEY]
+    measure, writer = VARIANTS[name]
+    norms, low = measures[:, 0], measures[:, 1]
+    assert facts_in_scratch(states, norms, low) == written_facts(states, norms, low)
+    fixed = {FACTS_KEY: written_facts(states, norms, low)}
 
     def write(path: str) -> None:
-        measure = facts_in_scratch if "scratch" in name else written_facts
-        facts = {FACTS_KEY: measure(states, measures[:, 0], measures[:, 1])} if "facts" in name or \
-            name == "connector" else fixed
-        if name.startswith("facts") and "+" not in name:
-            return
-        with atomic_path(path, durable=False) as tmp:
-            if name in ("connector", "save_file"):
-                save_file({"hidden_states": states, "token_ids": token_ids}, tmp, metadata=facts)
-            else:
-                plain_write(tmp, states, token_ids, facts)
+        facts = {FACTS_KEY: measure(states, norms, low)} if measure else fixed
+        if writer:
+            with atomic_path(path, durable=False) as tmp:
+                writer(tmp, states, token_ids, facts)
     return write
 
 
@@ -87,19 +101,28 @@ def probe(stop: threading.Event, delays: list[float]) -> None:
         time.sleep(0.001)
 
 
+@contextlib.contextmanager
+def probing() -> Iterator[list[float]]:
+    """The probe's step times while the block runs."""
+    stop, delays = threading.Event(), []
+    prober = threading.Thread(target=probe, args=(stop, delays))
+    prober.start()
+    try:
+        yield delays
+    finally:
+        stop.set()
+        prober.join()
+
+
 def run(name: str, threads: int, files: int, directory: Path, tensors) -> dict:
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     write = variant(name, *tensors)
-    stop, delays = threading.Event(), []
-    prober = threading.Thread(target=probe, args=(stop, delays))
-    prober.start()
-    began = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda i: write(str(directory / f"{i:06d}.safetensors")), range(files)))
-    seconds = time.perf_counter() - began
-    stop.set()
-    prober.join()
+    with probing() as delays:
+        began = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda i: write(str(directory / f"{i:06d}.safetensors")), range(files)))
+        seconds = time.perf_counter() - began
     return {"variant": name, "threads": threads, "files": files, "files_per_s": files / seconds,
             "probe_median_us": statistics.median(delays) * 1e6, "probe_p99_us": np.percentile(delays, 99) * 1e6}
 
@@ -113,19 +136,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)  # the 8B shape
     parser.add_argument("--files", type=int, default=2000)
     parser.add_argument("--threads", default="1,8,16")
-    parser.add_argument("--variants", default="connector,facts,facts-scratch,save_file,plain,facts+plain,"
-                                              "facts-scratch+plain")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
     pin = torch.cuda.is_available()
     states = torch.randn(args.tokens, args.captures, args.hidden).to(torch.bfloat16)
     states = states.pin_memory() if pin else states
     tensors = (states, torch.arange(args.tokens), measured(states))
-    stop, idle = threading.Event(), []
-    prober = threading.Thread(target=probe, args=(stop, idle))
-    prober.start()
-    time.sleep(1)
-    stop.set()
-    prober.join()
+    with probing() as idle:
+        time.sleep(1)
     results = {"shape": [args.tokens, args.captures, args.hidden], "pinned": pin, "torch_threads": torch.get_num_threads(),
                "probe_idle_median_us": statistics.median(idle) * 1e6, "runs": []}
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
