@@ -6,8 +6,7 @@ forward passes). No vLLM, no GPU work: the connector's own per-file steps on pin
 
 Variants: `connector` (written_facts, then save_file through atomic_path(durable=False): what the writer
 threads do today), `facts` and `save_file` alone, `plain` (the same bytes as save_file writes, from
-Python's unbuffered file write of the pinned memory), `facts-scratch` (written_facts with each capture
-copied for its CRC into a buffer reused by the thread, not a new tensor) and combinations.
+Python's unbuffered file write of the pinned memory) and `facts+plain`.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from eagle3data import reading
-from eagle3data.measuring import _numpy, measured, slot_facts, written_facts
+from eagle3data.measuring import measured, written_facts
 from eagle3data.states import FACTS_KEY
 from eagle3data.store import atomic_path
 
@@ -47,21 +45,6 @@ def plain_write(path: str, states: torch.Tensor, token_ids: torch.Tensor, metada
         f.write(memoryview(token_ids.numpy().view(np.uint8)))
 
 
-_scratch = threading.local()
-
-
-def facts_in_scratch(states: torch.Tensor, norms: torch.Tensor, low: torch.Tensor) -> str:
-    """written_facts, each capture copied for its CRC into one buffer per thread, reused (no allocation)."""
-    values = _numpy(states)
-    if getattr(_scratch, "buffer", None) is None or _scratch.buffer.shape != values[:, 0].shape:
-        _scratch.buffer = np.empty_like(values[:, 0])
-    crcs = []
-    for slot in range(values.shape[1]):
-        np.copyto(_scratch.buffer, values[:, slot])
-        crcs.append(reading.crc(_scratch.buffer))
-    return json.dumps(slot_facts(states, norms, low, crcs))
-
-
 def save_with_library(path: str, states: torch.Tensor, token_ids: torch.Tensor, metadata: dict) -> None:
     save_file({"hidden_states": states, "token_ids": token_ids}, path, metadata=metadata)
 
@@ -70,18 +53,15 @@ def save_with_library(path: str, states: torch.Tensor, token_ids: torch.Tensor, 
 VARIANTS = {
     "connector": (written_facts, save_with_library),
     "facts": (written_facts, None),
-    "facts-scratch": (facts_in_scratch, None),
     "save_file": (None, save_with_library),
     "plain": (None, plain_write),
     "facts+plain": (written_facts, plain_write),
-    "facts-scratch+plain": (facts_in_scratch, plain_write),
 }
 
 
 def variant(name: str, states: torch.Tensor, token_ids: torch.Tensor, measures: torch.Tensor):
     measure, writer = VARIANTS[name]
     norms, low = measures[:, 0], measures[:, 1]
-    assert facts_in_scratch(states, norms, low) == written_facts(states, norms, low)
     fixed = {FACTS_KEY: written_facts(states, norms, low)}
 
     def write(path: str) -> None:
