@@ -107,16 +107,21 @@ def _value_counts(x: torch.Tensor, norm: torch.Tensor, low: torch.Tensor) -> tup
 _scratch = threading.local()  # per writer thread: one capture's bytes, for its CRC
 
 
+def _thread_buffer(like: np.ndarray) -> np.ndarray:
+    """Memory of like's shape and dtype, this thread's own and reused (grown to the longest capture)."""
+    held = getattr(_scratch, "bytes", None)
+    if held is None or held.size < like.nbytes:
+        held = _scratch.bytes = np.empty(like.nbytes, np.uint8)
+    return held[: like.nbytes].view(like.dtype).reshape(like.shape)
+
+
 def written_facts(states: torch.Tensor, norms: torch.Tensor, low: torch.Tensor) -> str:
     """The facts of the states about to be written (host memory) for the file's header (FACTS_KEY). In
     the connector's writer threads: each capture is copied for its CRC into a buffer the thread reuses
     (the row-by-row CRC holds Python's lock, which vLLM's engine thread needs, 2,048 times a sample; a
     new copy per capture costs an allocation and its page faults, and made 8 threads slower than one)."""
     values = _numpy(states)
-    capture = values[:, 0]
-    if getattr(_scratch, "bytes", np.empty(0, np.uint8)).size < capture.nbytes:  # grown to the longest sample
-        _scratch.bytes = np.empty(capture.nbytes, np.uint8)
-    buffer = _scratch.bytes[: capture.nbytes].view(capture.dtype).reshape(capture.shape)
+    buffer = _thread_buffer(values[:, 0])
     crcs = []
     for slot in range(values.shape[1]):
         np.copyto(buffer, values[:, slot])
