@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,13 +48,16 @@ from eagle3data.schemas import (
     states_manifest_contract,
 )
 from eagle3data.reading import STORAGE, checksum, load_states
-from eagle3data.store import atomic_path, atomic_write_text
+from eagle3data.store import atomic_path, atomic_write_text, start_writeback
 from eagle3data.testing import kill_point
 
 logger = get_logger(__name__)
 # A batch holds at most PackJob.batch_size samples and about this many bytes of states (one Kimi-K2.5
 # sample is 29 MB): two batches are in memory at a time, one written while the next is read.
 BATCH_BYTES = 64 << 20
+# A batch's samples are read and checked this many at a time: from disk one reader waits on each read
+# (2 readers: 1.2 GB/s cold on this machine's disk, 1 reader 0.87), from a RAM disk the CRCs bound it.
+READERS = 2
 
 
 @dataclass
@@ -143,7 +147,7 @@ def _chunks(rows: list, max_rows: int, max_tokens: int):
 
 
 def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, dup_rows: list,
-                   batch_size: int, meta: dict):
+                   batch_size: int, meta: dict, readers: ThreadPoolExecutor):
     captures = {sid: g.sort_values("slot") for sid, g in manifest.groupby("sample_id")}
     rows = []
     for row in tokenized.itertuples(index=False):
@@ -159,8 +163,9 @@ def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, d
         lengths = [int(r.num_tokens) for r in chunk]
         # The batch's states in one buffer, each sample read straight into its place: nothing to concatenate.
         states = np.empty((sum(lengths), len(meta["captures"]), meta["hidden_size"]), dtype=storage)
-        for r, end, length in zip(chunk, itertools.accumulate(lengths), lengths):
-            _verified_states(r.sample_id, captures[r.sample_id], states[end - length : end])
+        places = [states[end - length : end] for end, length in zip(itertools.accumulate(lengths), lengths)]
+        list(readers.map(_verified_states, [r.sample_id for r in chunk], [captures[r.sample_id] for r in chunk],
+                         places))
         yield {
             "sample_id": [r.sample_id for r in chunk],
             "input_ids": fmt.list_array([r.input_ids for r in chunk]),
@@ -206,12 +211,17 @@ def pack_shard(job: ShardPackJob) -> dict:
     skipped = check(SkippedShard, pd.read_parquet(job.skipped), job.skipped)
     split = _split_samples([tokenized, quarantined, skipped])
     packed, nbytes = 0, 0
-    with atomic_path(job.arrow) as tmp:
+    with atomic_path(job.arrow) as tmp, ThreadPoolExecutor(READERS, "eagle3data-pack-read") as readers:
         writer = ArrowWriter(features=features, path=str(tmp))
-        # The next batch's files are read and verified in a thread while this batch is written.
-        for columns, states in ahead(_shard_batches(tokenized, manifest, seen, dup_rows, job.batch_size, meta)):
+        # The next batch's files are read and verified in threads while this batch is written, and the
+        # disk writes each batch back while the next is read: the file's fsync at the end finds little to
+        # do (it took 1.1 of 4.7 s packing 1.9 GB here, the whole write-back).
+        batches = _shard_batches(tokenized, manifest, seen, dup_rows, job.batch_size, meta, readers)
+        for columns, states in ahead(batches):
             batch = _record_batch(columns, states, features)
             writer.write_table(batch)
+            writer.stream.flush()
+            start_writeback(tmp)
             packed += batch.num_rows
             nbytes += batch.nbytes
             del columns, states, batch  # before the next is read: two batches in memory at most

@@ -165,8 +165,8 @@ def io_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, li
                f"pack {gbs['pack_bytes_per_second']} / cp {gbs['cp_bytes_per_second']} of the same "
                f"{shape['bytes'] / 1e9:.2f} GB"),
         judged("3m", "pack_memory", rss["4x"] / rss["1x"], "<= 1.3",
-               f"peak RSS packing {shape['shards_4x']} shards {rss['4x']:.0f} MiB / {shape['shards_1x']} shard "
-               f"{rss['1x']:.0f} MiB (imports alone {rss['before_pack']:.0f} MiB)"),
+               f"peak RSS packing {shape['files']} samples in one shard {rss['4x']:.0f} MiB / the "
+               f"{shape['files'] // 4} of {shape['shards_1x']} shard {rss['1x']:.0f} MiB (imports alone {rss['before_pack']:.0f} MiB)"),
         judged("6", "storage", r["dataset_bytes_per_token"] / r["raw_state_bytes_per_token"], "<= 1.01",
                f"{r['dataset_bytes_per_token']:.1f} bytes on disk per token / {r['raw_state_bytes_per_token']} "
                "(4 captures x 7168 x 2)"),

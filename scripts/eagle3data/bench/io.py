@@ -86,13 +86,16 @@ def write_shards(settings: Settings, work: Path, shards: int, samples: int, toke
 
 
 def one_shard(shards: list[Shard], work: Path) -> Shard:
-    """The same samples as one shard: production shards hold 1,000, so validate's per-shard table
-    checks weigh on it as little as that."""
+    """The same samples as one shard (its rows numbered as one input's): production shards hold 1,000
+    samples, so validate's and pack's per-shard table checks (~0.3 s a shard) weigh on it as little as
+    that, where on 16-sample shards they would weigh as much as the bytes."""
     shard = Shard(*(str(work / f"all{suffix}") for suffix in (
         ".parquet", ".extract.parquet", ".skipped.parquet", ".states.parquet", ".quarantined.parquet")),
         files=files_of(shards))
-    for field in ("tokenized", "extract_manifest"):
+    for field in ("tokenized", "extract_manifest", "skipped"):
         frame = pd.concat([pd.read_parquet(getattr(s, field)) for s in shards], ignore_index=True)
+        if field == "tokenized":
+            frame["source_row"] = range(len(frame))
         frame.to_parquet(getattr(shard, field), index=False)
     return shard
 
@@ -158,9 +161,9 @@ def dataset_bytes(path: Path) -> int:
 
 
 def measure(work: Path, shards: int, samples: int, tokens: int, repeats: int) -> dict:
-    """Figures 2, 3 and 6 on 4 x `shards` shards of `samples` samples of `tokens` tokens (pack's 1x
-    is the first `shards` of them; validate sees them as one shard). Subject and reference alternate;
-    each keeps its best of `repeats`."""
+    """Figures 2, 3 and 6 on 4 x `shards` shards of `samples` samples of `tokens` tokens, which validate
+    and pack see as one shard (pack's 1x for its memory is the first `shards` of them). Subject and
+    reference alternate; each keeps its best of `repeats`."""
     settings = kimi_settings(work)
     data = write_shards(settings, work, 4 * shards, samples, tokens)
     files, nbytes, whole = files_of(data), file_bytes(data), one_shard(data, work)
@@ -178,7 +181,7 @@ def measure(work: Path, shards: int, samples: int, tokens: int, repeats: int) ->
         timings["cp"].append(copy_files(files, work / "copy"))
         drop_from_page_cache(files)
         shutil.rmtree(work / "dataset-4x", ignore_errors=True)
-        pack_4x = stage_in_child("pack", settings, data, work / "dataset-4x")
+        pack_4x = stage_in_child("pack", settings, [whole], work / "dataset-4x")
         timings["pack"].append(pack_4x["seconds"])
     warm_read = read_files(files)
     warm_validate = stage_in_child("validate", settings, [whole], work / "validated", read_states=True)["seconds"]
