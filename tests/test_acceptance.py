@@ -67,3 +67,24 @@ def test_the_cpu_stand_in_for_specforges_triton_loss_is_its_reference():
     ours, theirs = EagerLogSoftmaxLoss.apply(logits, target_p, mask), reference(logits, target_p, mask)
     assert torch.equal(ours, theirs)
     assert torch.equal(torch.autograd.grad(ours, logits)[0], torch.autograd.grad(theirs, logits)[0])
+
+
+def test_the_cpu_stand_in_for_muons_bf16_newton_schulz_step_is_its_arithmetic():
+    """On a CPU without bf16 instructions speculators' default optimizer trains through
+    eagle3data.bench.muon_cpu: the same bf16 roundings as torch's own step, the products in float32. Its
+    first iterations give torch's bits; after five, the summation order's last-bit differences grow to
+    a fraction of a bf16 step."""
+    import torch
+    from torch.optim import _muon
+
+    from eagle3data.bench.muon_cpu import newton_schulz_bf16_via_float32
+
+    coefficients = (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C)
+    for shape in ((96, 64), (64, 96)):
+        grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+        for steps in (0, 1, 2):
+            ours = newton_schulz_bf16_via_float32(grad, coefficients, steps, 1e-7)
+            assert torch.equal(ours, _muon._zeropower_via_newtonschulz(grad, coefficients, steps, 1e-7))
+        ours, theirs = (f(grad, coefficients, _muon.DEFAULT_NS_STEPS, 1e-7).float()
+                        for f in (newton_schulz_bf16_via_float32, _muon._zeropower_via_newtonschulz))
+        assert (ours - theirs).abs().mean() < 0.005 * theirs.abs().mean()

@@ -4,7 +4,8 @@ Used by figure 8 (eagle3data.bench.acceptance) and tests/test_trainers.py.
 
 The CLI puts the model on accelerator 0 ("Cannot access accelerator device" here) and synchronizes it;
 this wrapper makes the trainer's local rank "cpu" and the synchronize a no-op (measured recipe:
-/work/shared/notes/trainers.md), and appends every metrics record the trainer logs (train steps,
+/work/shared/notes/trainers.md), runs Muon's bf16 Newton-Schulz step through float32 products on a CPU
+without bf16 instructions (eagle3data.bench.muon_cpu), and appends every metrics record the trainer logs (train steps,
 validation epochs) as one JSON line to METRICS_JSONL.
 
     python -m eagle3data.bench.speculators_cpu METRICS_JSONL <speculators train flags>
@@ -36,6 +37,11 @@ def main() -> None:
     from speculators.train.config import TrainConfig
 
     import eagle3data.speculators_reader  # noqa: F401  (registers --hidden-states-backend eagle3data)
+    from eagle3data.bench import muon_cpu
+
+    if muon_cpu.use_where_bf16_is_slow():
+        print("eagle3data: no bf16 instructions on this CPU: Muon's Newton-Schulz in float32 products "
+              "rounded to bf16", flush=True)
 
     trainer.get_local_rank = lambda: "cpu"
     torch.accelerator.synchronize = lambda *args, **kwargs: None
