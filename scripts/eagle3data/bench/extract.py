@@ -42,10 +42,13 @@ PHASES = ("matmul", "write", "bare", "extract")
 WRITE_FILES = 512  # at most, in the write phase: enough to measure a rate, not a second copy of the states
 
 
-def matmul_flops(device: str, size: int, repeats: int = 10) -> float:
-    """bf16 [size, size] @ [size, size] FLOP/s: median of `repeats` after 3 warm-ups, random data."""
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+def matmul_flops(device: str, size: int, repeats: int = 10) -> dict:
+    """bf16 [n, n] @ [n, n] FLOP/s: median of `repeats` after 3 warm-ups, random data. On CPU n is the
+    largest power of two up to `size` whose product takes under 0.1 s: without bf16 instructions (an
+    AVX2-only CPU) torch multiplies bf16 at ~0.3 GFLOP/s, where 13 products of 2048 took 14 minutes."""
+    n = size if device == "cuda" else _cpu_matmul_size(size)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     times = []
     for i in range(repeats + 3):
         if device == "cuda":
@@ -56,7 +59,20 @@ def matmul_flops(device: str, size: int, repeats: int = 10) -> float:
             torch.cuda.synchronize()
         if i >= 3:
             times.append(time.perf_counter() - began)
-    return 2 * size**3 / sorted(times)[len(times) // 2]
+    return {"flops_per_second": 2 * n**3 / sorted(times)[len(times) // 2], "size": n}
+
+
+def _cpu_matmul_size(limit: int, budget_s: float = 0.1) -> int:
+    n = 128
+    while n * 2 <= limit:
+        a = torch.randn(n, n, dtype=torch.bfloat16)
+        a @ a  # the first product of a size sets up its kernel
+        began = time.perf_counter()
+        a @ a
+        if (time.perf_counter() - began) * 8 > budget_s:  # the next size takes ~8x as long
+            break
+        n *= 2
+    return n
 
 
 def model_flops(model_dir: str, prompt_lengths: list[int]) -> float:
@@ -229,7 +245,7 @@ def run_phase(args) -> dict:
     from eagle3data.bench.synthetic import random_prompts
 
     if args.phase == "matmul":
-        return {"flops_per_second": matmul_flops(args.device, args.matmul_size)}
+        return matmul_flops(args.device, args.matmul_size)
     info = read_model_info(args.model)
     captures = parse_captures(args.captures, info.num_hidden_layers)
     engine = engine_config({"device": args.device, **parse_engine_args(args.engine)})
@@ -250,7 +266,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=512, help="tokens per prompt")
     parser.add_argument("--engine", nargs="*", default=[], help="engine settings KEY=VALUE (config/schema.yaml)")
-    parser.add_argument("--matmul-size", type=int, default=None, help="default 8192 on cuda, 2048 on cpu")
+    parser.add_argument("--matmul-size", type=int, default=None,
+                        help="default 8192 on cuda; on cpu at most 2048")
     parser.add_argument("--work", default="results/bench-extract", help="shard and states go here")
     parser.add_argument("--out", default=None, help="write the JSON here too")
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)

@@ -101,7 +101,8 @@ def extract_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
                            f"extract {e['tokens_per_second']:.0f} tok/s / bare prefill "
                            f"{b['tokens_per_second']:.0f} tok/s ({result['prompts']} x {result['tokens_per_prompt']} "
                            f"tokens; seconds: {describe_steps(e)}, bare prefill {b['seconds']:.2f}); "
-                           f"bare at {result['figures']['bare_over_matmul']:.3f} of a bf16 matmul; "
+                           f"bare at {result['figures']['bare_over_matmul']:.3f} of a bf16 "
+                           f"{result['matmul']['size']}² matmul; "
                            f"the store's durable writes at {result['figures']['store_write_over_bare_need']:.2f} "
                            f"x bare's need")]
 
