@@ -23,6 +23,7 @@ from conftest import demo_config, run_snakemake
 from safetensors.torch import load_file
 
 from eagle3data import open_dataset
+from eagle3data.bench import muon_cpu
 from eagle3data.store import sample_path
 from eagle3data.trainers import SPECULATORS, ExportRefused, layout
 
@@ -116,6 +117,8 @@ def test_speculators_trains_on_its_export_on_cpu(exported, tmp_path):
     assert [t["error_records"] for t in train] == [0.0] * len(train)
     assert "match input ids" not in output
     assert val[-1] < 0.95 * val[0], f"validation loss by epoch: {val}"
+    # Muon's bf16 step goes through float32 products exactly where the CPU has no bf16 instructions.
+    assert ("Muon's Newton-Schulz in float32" in output) != muon_cpu.bf16_matmul_is_native(), output[-3000:]
 
 
 def test_specforge_trains_on_its_export_on_cpu(exported, tmp_path):
