@@ -37,6 +37,11 @@ def test_quick_benchmark_prints_and_writes_every_figure(tmp_path):
     # Figure 7's run has several shards and one engine load: the node's engine serves them all.
     end_to_end = report["measurements"]["end_to_end"]
     assert end_to_end["shards"] > 1 and end_to_end["engine_loads"] == 1, end_to_end
+    # Its timeline follows the chain (each stage's last job after the one before), within the figure's span.
+    t = end_to_end["timeline"]
+    assert 0 < t["engine_held_seconds"] <= t["last_generate_end"] <= t["last_extract_end"], t
+    assert t["last_extract_end"] <= t["last_validate_end"] <= t["last_pack_shard_end"] <= t["index_end"], t
+    assert t["index_end"] == pytest.approx(end_to_end["seconds_from_engine_ready"]), t
     # Figures 10 and 11 count each byte of the run once (the dataset's files are the packed shards'); the
     # peak is at least what is left, and at least the pipeline's own peak, before the exports.
     disk = end_to_end["footprint"]

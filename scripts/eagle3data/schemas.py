@@ -324,20 +324,32 @@ def sample_states(manifest: pd.DataFrame, tokenized: pd.DataFrame) -> pd.DataFra
     `duplicate_captures` names captures whose checksum equals an earlier capture's: two slots holding
     the same tensor (a capture written twice, or the wrong layer)."""
     tokens = tokenized.groupby("sample_id")["num_tokens"].agg(["size", "first"])
-    listed = {sid: g.sort_values("slot", kind="stable") for sid, g in manifest.groupby("sample_id")}
+    ordered = manifest.sort_values(["sample_id", "slot"], kind="stable")  # one pass, not a frame a sample
+    listed: dict[str, list[tuple]] = {}
+    for entry in zip(ordered["sample_id"], ordered["capture"], ordered["rows"], ordered["checksum"],
+                     ordered["path"]):
+        listed.setdefault(entry[0], []).append(entry[1:])
+    times, first = tokens["size"].to_dict(), tokens["first"].to_dict()
     rows = []
-    for sid in sorted(set(tokens.index) | set(listed)):
-        g = listed.get(sid, manifest.iloc[:0])
-        distinct = g.drop_duplicates("capture")
+    for sid in sorted(set(times) | set(listed)):
+        entries = listed.get(sid, [])
+        distinct = {}  # each capture's first entry, in slot order
+        for capture, _, checksum, _ in entries:
+            distinct.setdefault(capture, checksum)
+        seen, duplicates = set(), []
+        for capture, checksum in distinct.items():
+            if checksum in seen:
+                duplicates.append(capture)
+            seen.add(checksum)
         rows.append(
             {
                 "sample_id": sid,
-                "times_tokenized": int(tokens["size"].get(sid, 0)),
-                "num_tokens": int(tokens["first"].get(sid, 0)),
-                "captures": g["capture"].tolist(),
-                "rows": sorted(set(g["rows"].tolist())),
-                "duplicate_captures": distinct.loc[distinct["checksum"].duplicated(), "capture"].tolist(),
-                "path": str(g["path"].iloc[0]) if len(g) else "",
+                "times_tokenized": int(times.get(sid, 0)),
+                "num_tokens": int(first.get(sid, 0)),
+                "captures": [e[0] for e in entries],
+                "rows": sorted({e[1] for e in entries}),
+                "duplicate_captures": duplicates,
+                "path": str(entries[0][3]) if entries else "",
             }
         )
     return pd.DataFrame(rows, columns=list(SampleStates.to_schema().columns))

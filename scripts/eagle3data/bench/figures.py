@@ -107,6 +107,14 @@ def extract_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
                            f"x bare's need")]
 
 
+def describe_timeline(t: dict, bare_seconds: float) -> str:
+    """Figure 7's seconds from the engine ready: what bounds it, extraction or the tail after it."""
+    return (f"seconds from the engine ready: bare prefill of these tokens {bare_seconds:.1f}, jobs in generate() "
+            f"{t['engine_held_seconds']:.1f} of the {t['last_generate_end']:.1f} to the last generate's end, last "
+            f"extract job ends {t['last_extract_end']:.1f}, validate {t['last_validate_end']:.1f}, pack_shard "
+            f"{t['last_pack_shard_end']:.1f}, index {t['index_end']:.1f}")
+
+
 def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
     """Figure 7: a whole run's packed tokens per wall second, from its engine being ready to the packed
     dataset, / bare prefill tokens/s (figure 1's); 10 and 11: its disk footprint with the trainer
@@ -129,7 +137,8 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
         f"in {result['seconds_from_engine_ready']:.1f} s from the engine ready to the packed dataset = "
         f"{result['tokens_per_second_from_engine_ready']:.0f} tok/s / bare prefill {bare_tps:.0f} tok/s; "
         f"the whole run {result['seconds']:.1f} s ({result['tokens'] / result['seconds'] / bare_tps:.4f}), "
-        f"of which {result['engine_loads']} engine load(s) {result['engine_load_seconds']:.1f} s")]
+        f"of which {result['engine_loads']} engine load(s) {result['engine_load_seconds']:.1f} s; "
+        f"{describe_timeline(result['timeline'], result['tokens'] / bare_tps)}")]
     if not exports:
         return result, figures
     disk = result["footprint"]

@@ -206,12 +206,31 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     loads = [s["engine_load_seconds"] for s in extract if s.get("engine_loaded_here")]
     first_ready = min(s["engine_ready_at"] for s in extract)
     from_ready = (run / "dataset.counts.json").stat().st_mtime - first_ready  # written once the dataset is
+    timeline = run_timeline(run, extract, first_ready)
     return {"conversations": conversations, "packed": counts["packed"], "tokens": tokens, "seconds": seconds,
             "tokens_per_second": tokens / seconds, "seconds_from_engine_ready": from_ready,
             "seconds_from_engine_ready_to_end_of_run": finished_at - first_ready, "jobs_per_engine": jobs_per_engine,
             "transport_dir": transport_dir,
             "extract_prepare_seconds": [s.get("prepare_seconds") for s in extract],
             "index_seconds": counts.get("index_seconds"),
-            "tokens_per_second_from_engine_ready": tokens / from_ready, "rule_seconds": rules, "cores": cores,
+            "tokens_per_second_from_engine_ready": tokens / from_ready, "timeline": timeline,
+            "rule_seconds": rules, "cores": cores,
             "shards": len(extract), "engine_loads": len(loads), "engine_load_seconds": sum(loads),
             "footprint": {**disk, "peak_bytes": peak_bytes, "pipeline_peak_bytes": pipeline_peak}}
+
+
+def run_timeline(run: Path, extract: list[dict], first_ready: float) -> dict:
+    """Where figure 7's seconds go, from the engine ready (epoch `first_ready`): when the last job of each
+    stage wrote its output (file times, not the Snakemake log's whole seconds), and how long jobs held
+    the engine in generate() (the rest of the span up to the last generate's end the engine idled
+    between jobs, or while a job prepared its prompts)."""
+    def last_written(pattern: str) -> float:
+        return max(p.stat().st_mtime for p in run.glob(pattern)) - first_ready
+
+    held = sum(s["generate_seconds"] + s["replies_seconds"] for s in extract)
+    last_generate = max(s["engine_ready_at"] + s["generate_seconds"] + s["replies_seconds"] for s in extract)
+    return {"last_extract_end": last_written("extract/shard-*.parquet"),
+            "last_validate_end": last_written("validated/shard-*.quarantined.parquet"),
+            "last_pack_shard_end": last_written("packed/shard-*.json"),
+            "index_end": last_written("dataset.counts.json"),
+            "last_generate_end": last_generate - first_ready, "engine_held_seconds": held}
