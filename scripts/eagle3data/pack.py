@@ -103,7 +103,7 @@ class _Captures:
 
     path: str
     slots: list[int]
-    checksums: list[int]
+    checksums: list[str]  # reading.checksum of each capture, as validate recorded them
 
 
 def _captures_by_sample(manifest: pd.DataFrame) -> dict[str, _Captures]:
