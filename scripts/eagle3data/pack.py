@@ -40,9 +40,11 @@ from eagle3data.logs import get_logger
 from eagle3data.overlap import ahead
 from eagle3data.packed import drop_packed, held_elsewhere, restore_missing, restoring
 from eagle3data.schemas import (
+    ManifestEntry,
     SkippedShard,
     TokenizedShard,
     check,
+    entries_by_sample,
     sample_states,
     sample_states_contract,
     states_manifest_contract,
@@ -97,33 +99,13 @@ class ShardPackJob:
         self.samples_dir = self.samples_dir or self.store_dir
 
 
-@dataclass
-class _Captures:
-    """A sample's rows of the states manifest, in slot order."""
-
-    path: str
-    slots: list[int]
-    checksums: list[str]  # reading.checksum of each capture, as validate recorded them
-
-
-def _captures_by_sample(manifest: pd.DataFrame) -> dict[str, _Captures]:
-    """Each sample's captures, in one pass over the manifest (not a frame per sample)."""
-    by_sample: dict[str, _Captures] = {}
-    ordered = manifest.sort_values(["sample_id", "slot"], kind="stable")
-    for sid, path, slot, crc in zip(ordered["sample_id"], ordered["path"], ordered["slot"], ordered["checksum"]):
-        entry = by_sample.setdefault(sid, _Captures(path, [], []))
-        entry.slots.append(slot)
-        entry.checksums.append(crc)
-    return by_sample
-
-
-def _verified_states(sample_id: str, captures: _Captures, out: np.ndarray) -> None:
+def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndarray) -> None:
     """Read the sample's states into `out`; refused unless every capture's checksum is the one validate
     recorded."""
-    path, expected = captures.path, captures.checksums
+    path, expected = captures[0].path, [c.checksum for c in captures]
     try:
         load_states(path, out)
-        found = [checksum(out[:, slot, :]) for slot in captures.slots]
+        found = [checksum(out[:, c.slot, :]) for c in captures]
     except Exception as exc:  # gone, truncated, reshaped since validate
         found = f"{type(exc).__name__}: {exc}"
     if found != expected:
@@ -167,7 +149,7 @@ def _chunks(rows: list, max_rows: int, max_tokens: int):
 
 def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, dup_rows: list,
                    batch_size: int, meta: dict, readers: ThreadPoolExecutor):
-    captures = _captures_by_sample(manifest)
+    captures = entries_by_sample(manifest)
     rows = []
     for row in tokenized.itertuples(index=False):
         if row.sample_id in seen:

@@ -13,7 +13,7 @@ that wording is how failures.py shows each failure's expected and found values.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import pandas as pd
@@ -318,24 +318,40 @@ def sample_states_contract(capture_names: tuple[str, ...]) -> type[SampleStates]
     return SampleStatesOfRun
 
 
+class ManifestEntry(NamedTuple):
+    """One capture of a sample, as its states manifest row lists it."""
+
+    capture: str
+    slot: int
+    rows: int
+    checksum: str
+    path: str
+
+
+def entries_by_sample(manifest: pd.DataFrame) -> dict[str, list[ManifestEntry]]:
+    """Each sample's rows of a states manifest, in slot order, in one pass over the table (a pandas frame
+    per sample cost validate 3 of its 4 seconds on a 702-sample shard)."""
+    ordered = manifest.sort_values(["sample_id", "slot"], kind="stable")
+    by_sample: dict[str, list[ManifestEntry]] = {}
+    for sid, *fields in zip(ordered["sample_id"], *(ordered[name] for name in ManifestEntry._fields)):
+        by_sample.setdefault(sid, []).append(ManifestEntry(*fields))
+    return by_sample
+
+
 def sample_states(manifest: pd.DataFrame, tokenized: pd.DataFrame) -> pd.DataFrame:
     """The SampleStates table of a states manifest against the tokenized samples it must cover.
 
     `duplicate_captures` names captures whose checksum equals an earlier capture's: two slots holding
     the same tensor (a capture written twice, or the wrong layer)."""
     tokens = tokenized.groupby("sample_id")["num_tokens"].agg(["size", "first"])
-    ordered = manifest.sort_values(["sample_id", "slot"], kind="stable")  # one pass, not a frame a sample
-    listed: dict[str, list[tuple]] = {}
-    for entry in zip(ordered["sample_id"], ordered["capture"], ordered["rows"], ordered["checksum"],
-                     ordered["path"]):
-        listed.setdefault(entry[0], []).append(entry[1:])
+    listed = entries_by_sample(manifest)
     times, first = tokens["size"].to_dict(), tokens["first"].to_dict()
     rows = []
     for sid in sorted(set(times) | set(listed)):
         entries = listed.get(sid, [])
         distinct = {}  # each capture's first entry, in slot order
-        for capture, _, checksum, _ in entries:
-            distinct.setdefault(capture, checksum)
+        for entry in entries:
+            distinct.setdefault(entry.capture, entry.checksum)
         seen, duplicates = set(), []
         for capture, checksum in distinct.items():
             if checksum in seen:
@@ -346,10 +362,10 @@ def sample_states(manifest: pd.DataFrame, tokenized: pd.DataFrame) -> pd.DataFra
                 "sample_id": sid,
                 "times_tokenized": int(times.get(sid, 0)),
                 "num_tokens": int(first.get(sid, 0)),
-                "captures": [e[0] for e in entries],
-                "rows": sorted({e[1] for e in entries}),
+                "captures": [e.capture for e in entries],
+                "rows": sorted({e.rows for e in entries}),
                 "duplicate_captures": duplicates,
-                "path": str(entries[0][3]) if entries else "",
+                "path": str(entries[0].path) if entries else "",
             }
         )
     return pd.DataFrame(rows, columns=list(SampleStates.to_schema().columns))

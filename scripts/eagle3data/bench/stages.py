@@ -205,8 +205,8 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     extract = [json.loads(p.read_text()) for p in sorted((run / "extract").glob("*.stats.json"))]
     loads = [s["engine_load_seconds"] for s in extract if s.get("engine_loaded_here")]
     first_ready = min(s["engine_ready_at"] for s in extract)
-    from_ready = (run / "dataset.counts.json").stat().st_mtime - first_ready  # written once the dataset is
     timeline = run_timeline(run, extract, first_ready)
+    from_ready = timeline["index_end"]  # the counts file is written once the dataset is
     return {"conversations": conversations, "packed": counts["packed"], "tokens": tokens, "seconds": seconds,
             "tokens_per_second": tokens / seconds, "seconds_from_engine_ready": from_ready,
             "seconds_from_engine_ready_to_end_of_run": finished_at - first_ready, "jobs_per_engine": jobs_per_engine,
