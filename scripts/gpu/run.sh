@@ -131,13 +131,13 @@ case "$what" in
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
       --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
     echo "benchmark: exit $?"; kill $vmstat_pid; grep -E "^figure|^          " /tmp/figures.log; tail -n 3 /tmp/figures.log
-    # What a tail job's start costs here: its imports, each module alone (a fresh interpreter each)
+    # What a tail job's start would cost here without the warm job server: its imports, each module alone
     for module in eagle3data.validate eagle3data.pack eagle3data.index; do
       python3 -X importtime -c "import $module" 2> "$OUT/importtime-$module.txt"
       echo "$module: $(tail -n 1 "$OUT/importtime-$module.txt" | cut -d'|' -f2) us to import (after the run's)"
     done
     cat /tmp/figures.log /tmp/benchmark/*.log /tmp/benchmark/logs/engine/*.log /tmp/benchmark/e2e/snakemake.log \
-      /tmp/benchmark/e2e/results/bench-e2e/logs/*/*.log > "$OUT/log-figures.txt" 2>/dev/null
+      /tmp/benchmark/e2e/results/bench-e2e/logs/*/*.log /tmp/eagle3data-warm/*.log > "$OUT/log-figures.txt" 2>/dev/null
     df -h /tmp | tail -1; rm -rf /tmp/benchmark
     ;;
   deepseek)

@@ -1,0 +1,78 @@
+"""The jobs of rules validate, pack_shard and pack, from the `snakemake` object their scripts get: the
+functions that warm_jobs.py's server imports once (with what they import) and runs in a child per job."""
+
+from __future__ import annotations
+
+from eagle3data.index import IndexJob, index
+from eagle3data.logs import redirect_output_to
+from eagle3data.pack import ShardPackJob
+from eagle3data.pack import pack_shard as pack_one_shard
+from eagle3data.packed import packed_shard_path, restoring
+from eagle3data.settings import Settings
+from eagle3data.validate import ValidateJob
+from eagle3data.validate import run as run_validate
+
+
+def validate(sm) -> None:
+    """Rule validate: see eagle3data.validate."""
+    redirect_output_to(sm.log[0])
+    settings = Settings(dict(sm.config))
+    run_validate(
+        ValidateJob(
+            tokenized=sm.input.tokenized,
+            extract_manifest=sm.input.manifest,
+            states_out=sm.output.states,
+            quarantined_out=sm.output.quarantined,
+            quarantine_dir=sm.params.quarantine_dir,
+            expected=settings.expected,
+            vocab_size=settings.model.vocab_size,
+            sequence=dict(sm.params.sequence),
+            policy=sm.params.policy,
+            threads=sm.threads,
+            restore_from=restoring(settings.store_dir, sm.config["storage"]),
+            samples_dir=str(settings.samples_dir),
+            read_states=sm.params.read_states,
+        )
+    )
+
+
+def pack_shard(sm) -> None:
+    """Rule pack_shard: see eagle3data.pack.pack_shard."""
+    redirect_output_to(sm.log[0])
+    settings = Settings(dict(sm.config))
+    pack_one_shard(
+        ShardPackJob(
+            tokenized=sm.input.tokenized,
+            skipped=sm.input.skipped,
+            states=sm.input.states,
+            quarantined=sm.input.quarantined,
+            duplicates=sm.input.duplicates,
+            shard=int(sm.wildcards.shard),
+            arrow=str(packed_shard_path(settings.store_dir, sm.wildcards.shard)),
+            summary=sm.output.summary,
+            metadata=settings.dataset_metadata(),
+            dataset=sm.params.dataset,
+            dataset_counts=sm.params.counts,
+            storage=dict(sm.config["storage"]),
+            store_dir=str(settings.store_dir),
+            samples_dir=str(settings.samples_dir),
+        )
+    )
+
+
+def pack(sm) -> None:
+    """Rule pack, the dataset over the packed shards: see eagle3data.index."""
+    redirect_output_to(sm.log[0])
+    settings = Settings(dict(sm.config))
+    index(
+        IndexJob(
+            summaries=list(sm.input.summaries),
+            skipped=list(sm.input.skipped),
+            quarantined=list(sm.input.quarantined),
+            out_dir=sm.output.dataset,
+            counts_out=sm.output.counts,
+            conversations_in=sm.params.conversations_in,
+            metadata=settings.dataset_metadata(),
+            store_dir=str(settings.store_dir),
+        )
+    )
