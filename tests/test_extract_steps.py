@@ -105,8 +105,8 @@ def test_the_connector_gathers_a_step_s_requests_in_groups_of_bounded_size():
         def __init__(self, n: int):
             self.token_ids = torch.zeros(n)
 
-    handed = [(Pending(n), "its event", "its lock") for n in (3000, 1000, 100, 5000, 10, 4096)]
-    sizes = [[len(p.token_ids) for p, _, _ in group] for group in _groups(handed, 4096)]
+    pendings = [Pending(n) for n in (3000, 1000, 100, 5000, 10, 4096)]
+    sizes = [[len(p.token_ids) for p in group] for group in _groups(pendings, 4096)]
     assert sizes == [[3000, 1000], [100], [5000], [10], [4096]]
     assert _groups([], 4096) == []
 
@@ -123,58 +123,6 @@ def test_copies_on_gpu_wait_for_the_step_s_start_and_a_step_without_one_stops_th
     with pytest.raises(RuntimeError, match="start_load_kv"):
         connector.get_finished(set())  # the event was taken once: the next step needs its own
 
-
-def test_the_copier_thread_writes_what_the_engine_hands_over_and_its_failure_stops_the_engine(tmp_path):
-    """The engine's thread only hands a step's finished requests over. Until the copier thread has
-    written a request's file (on CPU; on GPU, queued its copy), the request's copy event reads "not done",
-    so vLLM keeps its blocks; a request the copier cannot copy stops the engine at its next step."""
-    from safetensors import safe_open
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-        ExampleHiddenStatesConnectorMetadata, PendingSave, extract_from_kv_cache)
-
-    from eagle3data.connector import Eagle3StatesConnector, request_slots
-    from eagle3data.states import FACTS_KEY
-
-    block_size = 16
-    cache = torch.randn(8, 4, block_size, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    connector = Eagle3StatesConnector.__new__(Eagle3StatesConnector)  # no engine: the state vLLM sets up
-    connector._kv_cache, connector._block_size, connector._is_tp_rank_zero = cache, block_size, True
-    connector._lock_fds, connector._req_futures, connector._req_copy_events = {}, {}, {}
-    connector._accumulated_finished_req_ids, connector._buffers = set(), None
-    writing = threading.Event()
-    write = connector._write_tensors
-    connector._write_tensors = lambda *args: writing.wait(10) and write(*args)  # held until the test says
-    connector.start_copier()
-
-    requests = {"a": ([3, 5], 20), "b": ([0], 5)}
-    pendings = [PendingSave(req_id, str(tmp_path / f"{req_id}.safetensors"), torch.arange(tokens) + 7, blocks)
-                for req_id, (blocks, tokens) in requests.items()]
-    connector.bind_connector_metadata(ExampleHiddenStatesConnectorMetadata(pending_saves=pendings))
-    assert connector.get_finished({"a", "b"}) == (None, None)  # handed over, not written yet
-    connector.clear_connector_metadata()
-    assert connector.get_finished(set()) == (None, None) and not list(tmp_path.iterdir())
-    writing.set()
-    done, deadline = set(), time.monotonic() + 10
-    while done != {"a", "b"} and time.monotonic() < deadline:
-        done |= connector.get_finished(set())[0] or set()
-    assert done == {"a", "b"}
-    for req_id, (blocks, tokens) in requests.items():
-        with safe_open(str(tmp_path / f"{req_id}.safetensors"), "pt") as f:
-            slots = torch.from_numpy(request_slots(blocks, block_size, tokens))
-            assert torch.equal(f.get_tensor("hidden_states"), extract_from_kv_cache(cache, slots, tokens))
-            assert torch.equal(f.get_tensor("token_ids"), torch.arange(tokens) + 7)
-            assert FACTS_KEY in f.metadata()
-
-    beyond = PendingSave("c", str(tmp_path / "c.safetensors"), torch.arange(3), [99])  # no such block
-    connector.bind_connector_metadata(ExampleHiddenStatesConnectorMetadata(pending_saves=[beyond]))
-    connector.get_finished({"c"})
-    connector.clear_connector_metadata()
-    with pytest.raises(RuntimeError, match="copying or writing states failed") as stopped:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            assert connector.get_finished(set()) == (None, None)  # "c" never reads as done
-    assert isinstance(stopped.value.__cause__, IndexError)
-    assert not (tmp_path / "c.safetensors").exists()
 
 def test_a_file_that_never_comes_is_a_failed_sample_named_with_its_path(tmp_path):
     rows, paths = batch(tmp_path, 2, seed=3)

