@@ -17,6 +17,7 @@ import subprocess
 
 import pandas as pd
 import pytest
+import yaml
 
 from conftest import REPO, SNAKEMAKE, run_snakemake, with_defaults
 from eagle3data.journal import Journal, JournalError
@@ -74,7 +75,7 @@ def resumed(smollm2, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("regenerate")
     conversations = workdir / "conversations.jsonl"
     conversations.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
-    run_snakemake(workdir, "--dry-run", config=config(smollm2, conversations))  # writes test-config.yaml
+    (workdir / "test-config.yaml").write_text(yaml.safe_dump(config(smollm2, conversations)))
     run_killed_at(workdir, "regenerate:stored#3")
     journal = workdir / "results" / RUN / "regenerated" / "journal" / "shard-00000.jsonl"
     after_kill = journal.read_bytes()
