@@ -33,7 +33,7 @@ def warm(tmp_path):
                                 cwd=tmp_path / "work", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, **kwargs)
 
-    job.root = tmp_path / "tmp" / "eagle3data-warm"
+    job.root = tmp_path / "tmp" / f"eagle3data-warm-{os.getuid()}"
     yield job
     for log in job.root.glob("*.log"):
         for line in log.read_text().splitlines():

@@ -40,7 +40,7 @@ import traceback
 from pathlib import Path
 
 IDLE_S = float(os.environ.get("EAGLE3DATA_WARM_IDLE_S", 120))  # a server exits after this long without a job
-ROOT = Path(tempfile.gettempdir()) / "eagle3data-warm"
+ROOT = Path(tempfile.gettempdir()) / f"eagle3data-warm-{os.getuid()}"  # each user's own servers
 PRELOAD = ("eagle3data.rule_jobs", "snakemake.iocontainers", "snakemake.logging")  # what a job imports
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 RUN_GROUP_ENV = "EAGLE3DATA_RUN_GROUP"  # in a child: the process group of the job's own process
@@ -90,7 +90,7 @@ def _paths(key: str) -> tuple[Path, Path, Path]:
 def _connect(key: str) -> socket.socket | None:
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        connection.connect(str(_paths(key)[0]))
+        connection.connect(str(ROOT / f"{key}.sock"))
         return connection
     except OSError:
         connection.close()
@@ -99,12 +99,12 @@ def _connect(key: str) -> socket.socket | None:
 
 def _start_server(key: str) -> None:
     """Start a server for `key` in the background unless one holds its lock (starting or serving)."""
-    _, lock_path, log_path = _paths(key)
-    with open(lock_path, "a") as lock:
-        try:
+    try:
+        _, lock_path, log_path = _paths(key)
+        with open(lock_path, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return
+    except OSError:  # held (BlockingIOError), or no room or right to start one: the jobs run as they are
+        return
     with open(log_path, "ab") as log:
         subprocess.Popen([sys.executable, "-m", "eagle3data.warm_jobs", key], stdin=subprocess.DEVNULL,
                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd="/")

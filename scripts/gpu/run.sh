@@ -137,7 +137,7 @@ case "$what" in
       echo "$module: $(tail -n 1 "$OUT/importtime-$module.txt" | cut -d'|' -f2) us to import (after the run's)"
     done
     cat /tmp/figures.log /tmp/benchmark/*.log /tmp/benchmark/logs/engine/*.log /tmp/benchmark/e2e/snakemake.log \
-      /tmp/benchmark/e2e/results/bench-e2e/logs/*/*.log /tmp/eagle3data-warm/*.log > "$OUT/log-figures.txt" 2>/dev/null
+      /tmp/benchmark/e2e/results/bench-e2e/logs/*/*.log /tmp/eagle3data-warm-*/*.log > "$OUT/log-figures.txt" 2>/dev/null
     df -h /tmp | tail -1; rm -rf /tmp/benchmark
     ;;
   deepseek)
