@@ -171,9 +171,10 @@ def io_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, li
                f"measuring every byte (validation.read_states) {gbs['validate_measuring_bytes_per_second']} = "
                f"{r['validate_measuring_bytes_per_second'] / r['read_bytes_per_second']:.2f} (from page cache: "
                f"{warm['validate_measuring_bytes_per_second']} / {warm['read_bytes_per_second']})"),
-        judged("3", "pack", r["pack_bytes_per_second"] / r["cp_bytes_per_second"], ">= 0.5",
-               f"pack {gbs['pack_bytes_per_second']} / cp {gbs['cp_bytes_per_second']} of the same "
-               f"{shape['bytes'] / 1e9:.2f} GB"),
+        judged("3", "pack", r["pack_bytes_per_second"] / r["cp_durable_bytes_per_second"], ">= 0.5",
+               f"pack {gbs['pack_bytes_per_second']} / cp {gbs['cp_durable_bytes_per_second']} of the same "
+               f"{shape['bytes'] / 1e9:.2f} GB, both made durable (cp then sync; cp alone "
+               f"{gbs['cp_bytes_per_second']}, its copies left in the page cache)"),
         judged("3m", "pack_memory", rss["4x"] / rss["1x"], "<= 1.3",
                f"peak RSS packing {shape['files']} samples in one shard {rss['4x']:.0f} MiB / the "
                f"{shape['files'] // 4} of {shape['shards_1x']} shard {rss['1x']:.0f} MiB (imports alone {rss['before_pack']:.0f} MiB)"),
