@@ -135,7 +135,7 @@ def _standard_fds() -> list[int]:
 def _run_in_child(connection: socket.socket, target: str, job) -> int | None:
     """Hand the job to the server's child; its exit code, or None when the server took nothing."""
     request = pickle.dumps({"target": target, "job": job, "cwd": os.getcwd(), "env": dict(os.environ),
-                            "argv": sys.argv, "path": sys.path, "group": os.getpgrp()}, protocol=pickle.HIGHEST_PROTOCOL)
+                            "argv": sys.argv, "path": sys.path, "group": os.getpgrp()})
     try:
         socket.send_fds(connection, [_LENGTH.pack(len(request))], _standard_fds())
         connection.sendall(request)
@@ -148,8 +148,8 @@ def _run_in_child(connection: socket.socket, target: str, job) -> int | None:
         signal.signal(number, lambda received, _: connection.send(bytes([received])))
     ended = _recv_exactly(connection, _NUMBER.size)
     if ended is None:
-        raise SystemExit(f"the warm job server's child {_NUMBER.unpack(started)[0]} running {target} was lost "
-                         f"(its server was killed?); the job did not finish")
+        raise SystemExit(f"the warm job server's child {_NUMBER.unpack(started)[0]} running {target} was "
+                         f"lost (its server was killed?); the job did not finish")
     return _NUMBER.unpack(ended)[0]
 
 
