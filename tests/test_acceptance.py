@@ -23,7 +23,7 @@ def test_aligned_data_beats_the_shifted_control_in_served_acceptance(smollm2, tm
         [sys.executable, "-m", "eagle3data.bench.acceptance", "--quick", "--arms", "a,d", "--model", str(smollm2),
          "--work", str(tmp_path / "work"), "--out", str(out)],
         capture_output=True, text=True,
-        timeout=3600)  # 664 s on an idle 2-core machine; over 1,500 s beside another acceptance run
+        timeout=3600)  # 465 s on an idle 2-core AMD EPYC (656-664 s before the in-process serving engine)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     arms = json.loads(out.read_text())["arms"]
     (aligned,), (shifted,) = arms["a"], arms["d"]
