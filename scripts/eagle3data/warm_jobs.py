@@ -87,10 +87,20 @@ def _paths(key: str) -> tuple[Path, Path, Path]:
     return ROOT / f"{key}.sock", ROOT / f"{key}.lock", ROOT / f"{key}.log"
 
 
+def _short_address(path: Path, use) -> None:
+    """`use(address)` with a socket address for `path` that fits AF_UNIX's 108 bytes however long
+    TMPDIR is: the path through a descriptor of its directory (Linux's /proc/self/fd)."""
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        use(f"/proc/self/fd/{directory}/{path.name}")
+    finally:
+        os.close(directory)
+
+
 def _connect(key: str) -> socket.socket | None:
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        connection.connect(str(ROOT / f"{key}.sock"))
+        _short_address(ROOT / f"{key}.sock", connection.connect)
         return connection
     except OSError:
         connection.close()
@@ -173,7 +183,7 @@ def serve(key: str) -> None:
         importlib.import_module(module)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock_path.unlink(missing_ok=True)  # a dead server's (this one holds the key's lock)
-    listener.bind(str(sock_path))
+    _short_address(sock_path, listener.bind)
     listener.listen(64)
     listener.settimeout(IDLE_S)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
