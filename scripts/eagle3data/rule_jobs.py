@@ -13,10 +13,15 @@ from eagle3data.validate import ValidateJob
 from eagle3data.validate import run as run_validate
 
 
+def _started(sm) -> Settings:
+    """The job's output to its log, and the run's settings: what every job here begins with."""
+    redirect_output_to(sm.log[0])
+    return Settings(dict(sm.config))
+
+
 def validate(sm) -> None:
     """Rule validate: see eagle3data.validate."""
-    redirect_output_to(sm.log[0])
-    settings = Settings(dict(sm.config))
+    settings = _started(sm)
     run_validate(
         ValidateJob(
             tokenized=sm.input.tokenized,
@@ -38,8 +43,7 @@ def validate(sm) -> None:
 
 def pack_shard(sm) -> None:
     """Rule pack_shard: see eagle3data.pack.pack_shard."""
-    redirect_output_to(sm.log[0])
-    settings = Settings(dict(sm.config))
+    settings = _started(sm)
     pack_one_shard(
         ShardPackJob(
             tokenized=sm.input.tokenized,
@@ -62,8 +66,7 @@ def pack_shard(sm) -> None:
 
 def pack(sm) -> None:
     """Rule pack, the dataset over the packed shards: see eagle3data.index."""
-    redirect_output_to(sm.log[0])
-    settings = Settings(dict(sm.config))
+    settings = _started(sm)
     index(
         IndexJob(
             summaries=list(sm.input.summaries),
