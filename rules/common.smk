@@ -1,5 +1,6 @@
 # Config validation, shard bookkeeping and paths shared by every rule.
 import glob
+import math
 
 from snakemake.utils import min_version, validate
 
@@ -8,7 +9,6 @@ min_version("9.0")
 from eagle3data.checkpoint import check_loader_config, sharded_dir
 from eagle3data.conversations import count_conversations
 from eagle3data.disk import check_storage_config
-from eagle3data.shards import plan
 
 validate(config, workflow.source_path("../config/schema.yaml"))
 check_loader_config(config["engine"])
@@ -18,8 +18,7 @@ RUN = config["run"]
 RUN_DIR = f"results/{RUN}"
 SHARDED_CHECKPOINT = sharded_dir(config["model"]["path"], config["engine"])
 N_CONVERSATIONS = count_conversations(config["input"])
-SHARD_ROWS = plan(N_CONVERSATIONS, config["shard_size"], config["shard_taper"])
-N_SHARDS = len(SHARD_ROWS)
+N_SHARDS = max(1, math.ceil(N_CONVERSATIONS / config["shard_size"]))
 SHARDS = [f"{i:05d}" for i in range(N_SHARDS)]
 # One engine per extract job: data-parallel engines are extract jobs scheduled side by side.
 GPUS_PER_EXTRACT = (
@@ -46,8 +45,9 @@ resource_scopes:
 
 
 def shard_rows(wildcards):
-    """Input rows [start, stop) of a shard (eagle3data.shards: contiguous ranges)."""
-    return SHARD_ROWS[int(wildcards.shard)]
+    """Input rows [start, stop) of a shard: contiguous, so appends never reshuffle shards."""
+    start = int(wildcards.shard) * config["shard_size"]
+    return start, min(start + config["shard_size"], N_CONVERSATIONS)
 
 
 def model_source(wildcards):
