@@ -5,7 +5,7 @@
 #   scripts/gpu/prepare_wheels.sh            -> .whl/call-0 .. .whl/call-N (carry one per call, in order)
 #
 # The device carries at most 64 MiB per call (working tree included), so the 290 MiB vllm wheel goes as
-# 56 MiB pieces, one per call; the small wheels fill the last call(s). On the device, scripts/gpu/
+# 52 MiB pieces, one per call; the small wheels fill the last call(s). On the device, scripts/gpu/
 # collect.sh copies each call's folder to /tmp/wheels and scripts/gpu/install.sh joins the pieces,
 # checks the sha256 and installs everything with --no-deps into /tmp/site.
 # Versions: docs/gpu-run.md and ../shared/notes/vllm-gpu-h200.md (openai 2.x, xgrammar 0.2.7, pydantic
@@ -13,8 +13,8 @@
 # .whl/ is ignored (.gitignore and .git/info/exclude).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PIECE_MIB=${PIECE_MIB:-56}
-CALL_MIB=${CALL_MIB:-56}   # payload per call; the working tree (~7 MiB) travels too: under 64 MiB together
+PIECE_MIB=${PIECE_MIB:-52}
+CALL_MIB=${CALL_MIB:-52}   # payload per call; the working tree (~9 MiB) travels too: under 64 MiB together
 
 VLLM=(vllm==0.26.0)
 VLLM_DEPS=(
