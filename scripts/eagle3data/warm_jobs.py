@@ -100,7 +100,7 @@ def _short_address(path: Path, use) -> None:
 def _connect(key: str) -> socket.socket | None:
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        _short_address(ROOT / f"{key}.sock", connection.connect)
+        _short_address(_paths(key)[0], connection.connect)
         return connection
     except OSError:
         connection.close()
