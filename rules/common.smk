@@ -1,14 +1,14 @@
 # Config validation, shard bookkeeping and paths shared by every rule.
 import glob
-import math
 
 from snakemake.utils import min_version, validate
 
-min_version("9.0")
+min_version("9.27")  # a rule's priority as a function (rule extract)
 
 from eagle3data.checkpoint import check_loader_config, sharded_dir
 from eagle3data.conversations import count_conversations
 from eagle3data.disk import check_storage_config
+from eagle3data.shards import plan
 
 validate(config, workflow.source_path("../config/schema.yaml"))
 check_loader_config(config["engine"])
@@ -18,7 +18,8 @@ RUN = config["run"]
 RUN_DIR = f"results/{RUN}"
 SHARDED_CHECKPOINT = sharded_dir(config["model"]["path"], config["engine"])
 N_CONVERSATIONS = count_conversations(config["input"])
-N_SHARDS = max(1, math.ceil(N_CONVERSATIONS / config["shard_size"]))
+SHARD_ROWS = plan(N_CONVERSATIONS, config["shard_size"], config["shard_taper"])
+N_SHARDS = len(SHARD_ROWS)
 SHARDS = [f"{i:05d}" for i in range(N_SHARDS)]
 # One engine per extract job: data-parallel engines are extract jobs scheduled side by side.
 GPUS_PER_EXTRACT = (
@@ -45,9 +46,13 @@ resource_scopes:
 
 
 def shard_rows(wildcards):
-    """Input rows [start, stop) of a shard: contiguous, so appends never reshuffle shards."""
-    start = int(wildcards.shard) * config["shard_size"]
-    return start, min(start + config["shard_size"], N_CONVERSATIONS)
+    """Input rows [start, stop) of a shard (eagle3data.shards: contiguous ranges)."""
+    return SHARD_ROWS[int(wildcards.shard)]
+
+
+def shard_conversations(wildcards):
+    start, stop = shard_rows(wildcards)
+    return stop - start
 
 
 def model_source(wildcards):

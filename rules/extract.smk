@@ -14,6 +14,9 @@ rule extract:
         f"{RUN_DIR}/logs/extract/shard-{{shard}}.log",
     benchmark:
         f"{RUN_DIR}/benchmarks/extract/shard-{{shard}}.tsv"
+    # Larger shards start first, and queued jobs take the engine largest first (eagle3data.engine_queue):
+    # the run's tail, after the last extract job, is then the smallest shard's (shard_taper).
+    priority: shard_conversations
     conda:
         "../envs/eagle3data.yaml"
     threads: 2

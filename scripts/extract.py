@@ -11,12 +11,15 @@ if __name__ == "__main__":
     from eagle3data.disk import InputShape
     from eagle3data.extract import ExtractJob, run
     from eagle3data.settings import Settings
+    from eagle3data.shards import plan
 
     settings = Settings(dict(sm.config))
     start, stop = sm.params.rows
     # Read at run time, not passed as params: a growing input, engine or storage settings (which do not
     # change the data) and the test-only hooks must not re-run finished jobs.
-    shape = InputShape(stop - start, count_conversations(sm.config["input"]), sm.config["shard_size"])
+    conversations = count_conversations(sm.config["input"])
+    rows = plan(conversations, sm.config["shard_size"], sm.config["shard_taper"])
+    shape = InputShape(stop - start, conversations, tuple(rows))
     run(
         ExtractJob(
             tokenized=sm.input.tokenized,

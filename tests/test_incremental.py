@@ -301,6 +301,20 @@ def test_appended_conversations_compute_only_the_new_samples(reference_copy, tin
     assert len(dataset(workdir)) == 12
 
 
+def test_a_tapered_plan_splits_the_last_shard_and_reuses_its_states(reference_copy, tiny_deepseek, reference):
+    """shard_taper 2 on the reference's one shard of 8: shards of 4, 2 and 2 rows (eagle3data.shards),
+    their samples found in the store (no engine starts), the same dataset."""
+    workdir = reference_copy
+    before = stored(workdir)
+    run_snakemake(workdir, config=small_config(tiny_deepseek, shard_taper=2))
+    shards = ["00000", "00001", "00002"]
+    assert [len(tokenized(workdir, s)) for s in shards] == [4, 2, 2]
+    assert [stats(workdir, s)["computed"] for s in shards] == [0, 0, 0]
+    assert not any("starting vllm" in extract_log(workdir, s) for s in shards)
+    assert_unchanged(before, stored(workdir))
+    assert_same_dataset(workdir, reference)
+
+
 def test_a_shorter_max_seq_len_recomputes_exactly_the_samples_it_changes(reference_copy, tiny_deepseek):
     workdir = reference_copy
     before, lengths = stored(workdir), tokenized(workdir)["num_tokens"]

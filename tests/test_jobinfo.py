@@ -108,8 +108,9 @@ def test_clear_errors(monkeypatch):
 def test_extract_jobs_beyond_the_gpus_queue_for_the_engine_on_them(tmp_path, tiny_deepseek, gpus, monkeypatch):
     """Snakemake without `--resources gpu=1` runs the demo's three extract jobs side by side, each asking
     for the one GPU there is (`engine.cpu_job_gpus: 1`: the CPU engine computes without it, but claims it
-    as a GPU engine would). The first job starts the engine on it; the others wait for that engine
-    instead of starting engines of their own on a GPU in use, and it serves each in turn."""
+    as a GPU engine would). The first job starts the engine on it; the others queue for that engine
+    instead of starting engines of their own on a GPU in use, and it serves each in turn: the shard with
+    the most tokens to compute first (eagle3data.engine_queue), whichever job loaded it."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpus[0])
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     config = demo_config(engine={"cpu_job_gpus": 1}, model={"path": str(tiny_deepseek), "build_demo": False})
@@ -117,7 +118,11 @@ def test_extract_jobs_beyond_the_gpus_queue_for_the_engine_on_them(tmp_path, tin
     run_snakemake(tmp_path, "--cores", "6", *extracted, config=config)  # extract's 2 threads: 3 jobs at once
     logs = [p.read_text() for p in sorted((tmp_path / "results/demo/logs/extract").glob("*.log"))]
     assert sum(log.count("starting engine ") for log in logs) == 1, [log[-1500:] for log in logs]
-    assert sum("waiting for a free engine of these settings or 1 free GPUs" in log for log in logs) >= 1
+    assert sum("tokens to compute for a free engine of these settings or 1 free GPUs" in log for log in logs) >= 1
     every = [json.loads(p.read_text()) for p in sorted((tmp_path / "results/demo/extract").glob("*.stats.json"))]
     assert len({s["engine_id"] for s in every}) == 1
-    assert sorted(s["engine_shards_served"] for s in every) == [1, 2, 3]
+    assert sum(s["engine_loaded_here"] for s in every) == 1  # the job that loaded it, even if it went later
+    served = sorted(every, key=lambda s: s["engine_shards_served"])
+    assert [s["engine_shards_served"] for s in served] == [1, 2, 3]
+    tokens = [s["computed_tokens"] for s in served]
+    assert len(set(tokens)) == 3 and tokens == sorted(tokens, reverse=True), tokens

@@ -471,7 +471,7 @@ def test_kimi_sample_size_and_whole_input_estimate():
     expected = kimi_expected()
     assert disk.sample_bytes(512, expected) == disk.HEADER_BYTES + 4 * disk.FACTS_BYTES_PER_CAPTURE + 512 * (
         4 * 7168 * 2 + 8)
-    shape = disk.InputShape(shard_conversations=10, input_conversations=1000, shard_size=10)
+    shape = disk.InputShape(shard_conversations=10, input_conversations=1000, plan=((0, 10),))
     size = disk.estimate([512] * 8, [512] * 3, expected, 512, shape, finished_conversations=490)
     per_sample = disk.sample_bytes(512, expected)
     assert size.shard_bytes == 8 * per_sample and size.todo_bytes == 3 * per_sample

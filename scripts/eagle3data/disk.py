@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3data.logs import get_logger
+from eagle3data.shards import conversations_of
 from eagle3data.states import ITEMSIZES, Expected
 
 logger = get_logger(__name__)
@@ -30,11 +31,11 @@ class DiskSpaceError(RuntimeError):
 
 @dataclass(frozen=True)
 class InputShape:
-    """Where a shard sits in the input: its conversations, the input's, and the configured shard size."""
+    """Where a shard sits in the input: its conversations, the input's, and every shard's rows (shards.plan)."""
 
     shard_conversations: int
     input_conversations: int
-    shard_size: int
+    plan: tuple[tuple[int, int], ...]
 
 
 def sample_bytes(num_tokens: int, expected: Expected) -> int:
@@ -82,11 +83,11 @@ def estimate(num_tokens: list[int], todo_tokens: list[int], expected: Expected, 
     )
 
 
-def finished_conversations(manifest: str | Path, shard_size: int) -> int:
+def finished_conversations(manifest: str | Path, plan: tuple[tuple[int, int], ...]) -> int:
     """Conversations of the other shards that already have an extract manifest (their states exist)."""
     manifest = Path(manifest)
-    others = [p for p in manifest.parent.glob("shard-*.parquet") if p.name != manifest.name]
-    return len(others) * shard_size
+    others = [p.stem.removeprefix("shard-") for p in manifest.parent.glob("shard-*.parquet") if p != manifest]
+    return conversations_of(plan, [int(number) for number in others if number.isdigit()])
 
 
 def check_storage_config(storage: dict) -> None:

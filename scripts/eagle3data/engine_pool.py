@@ -27,7 +27,7 @@ from multiprocessing.connection import Client
 from pathlib import Path
 from typing import BinaryIO
 
-from eagle3data import jobinfo
+from eagle3data import engine_queue, jobinfo
 from eagle3data.jobinfo import try_lock
 from eagle3data.engine import EngineError, check_schedulable
 from eagle3data.logs import get_logger
@@ -130,40 +130,60 @@ class RemoteEngine:
 
 
 def acquire(kwargs: dict, cpu_kv_cache_gib: int, captures: list[dict], keep_alive_s: float,
-            gpus: int, run_dir: str, started_by: str) -> RemoteEngine:
+            gpus: int, run_dir: str, started_by: str, tokens: int = 0) -> RemoteEngine:
     """A server with exactly these settings, held by this job: a free one of the node, else a new one on
     GPUs claimed for it. While neither can be had (busy servers hold the GPUs, or a server of these
-    settings is still starting on them) the job waits and looks again: jobs started side by side beyond
+    settings is still starting on them) the job queues and looks again: jobs started side by side beyond
     the node's GPUs (Snakemake without `--resources gpu=N`) queue for its engines instead of starting
-    engines on GPUs in use."""
+    engines on GPUs in use. Queued jobs take a free engine in the order of engine_queue (most `tokens`
+    first), and a job that loaded an engine hands it to a queued job with more tokens before its turn."""
     key = engine_key(kwargs, cpu_kv_cache_gib)
     spec = {"kwargs": kwargs, "cpu_kv_cache_gib": cpu_kv_cache_gib, "captures": captures,
             "keep_alive_s": keep_alive_s}
     among = jobinfo.gpus_to_claim(gpus)
-    waiting = False
-    while (engine := take_free(key)) is None:
-        if gpus:
-            stop_idle(lambda e: e.key != key)  # idle servers of other settings may hold the GPUs needed
-        claimed = None if among is None else jobinfo.try_claim_gpus(gpus, among, jobinfo.gpu_lock_scope())
-        if among is None or claimed is not None:
-            return start_server(key, spec, claimed, run_dir, started_by)
-        if not waiting:
-            logger.info("waiting for a free engine of these settings or %d free GPUs of %s (engines in use "
-                        "hold them)", gpus, among)
-            waiting = True
-        engine = _wait_for_free(key, jobinfo.POLL_S)
-        if engine is not None:
-            break
+    place, loaded = None, None  # this job's place once it queues; the engine it loaded, if it handed it on
+    try:
+        while (engine := _take_in_turn(key, place)) is None:
+            if gpus:
+                stop_idle(lambda e: e.key != key)  # idle servers of other settings may hold the GPUs needed
+            claimed = None if among is None else jobinfo.try_claim_gpus(gpus, among, jobinfo.gpu_lock_scope())
+            if among is None or claimed is not None:
+                engine = start_server(key, spec, claimed, run_dir, started_by)
+                if among is None or not engine_queue.anyone_with_more(registry(), key, tokens):
+                    return engine
+                logger.info("engine %s is loaded; a queued job has more than this job's %d tokens to "
+                            "compute: it goes first (engine_queue)", engine.entry.id, tokens)
+                loaded = engine.entry.id
+                engine.close()
+            if place is None:
+                place = engine_queue.join(registry(), key, tokens)
+                logger.info("queued with %d tokens to compute for a free engine of these settings or %d free "
+                            "GPUs of %s (engines in use hold them)", tokens, gpus, among)
+            engine = _wait_for_free(key, jobinfo.POLL_S, place)
+            if engine is not None:
+                break
+    finally:
+        if place is not None:
+            engine_queue.leave(place)
+    engine.loaded_here = engine.entry.id == loaded
     return engine
 
 
-def _wait_for_free(key: str, seconds: float) -> RemoteEngine | None:
+def _take_in_turn(key: str, place: engine_queue.Place | None) -> RemoteEngine | None:
+    """A free server of this key for a job not queued, or queued and first in line."""
+    if place is not None and not engine_queue.first(registry(), key, place):
+        return None
+    return take_free(key)
+
+
+def _wait_for_free(key: str, seconds: float, place: engine_queue.Place) -> RemoteEngine | None:
     """Look for a free server of this key every HANDOFF_POLL_S for `seconds`: a queued job takes the
-    engine within that of its release (the GPUs stay idle meanwhile); None if none came free."""
+    engine within that of its release when its turn has come (the GPUs stay idle meanwhile); None if it
+    got none."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         time.sleep(HANDOFF_POLL_S)
-        if (engine := take_free(key)) is not None:
+        if (engine := _take_in_turn(key, place)) is not None:
             return engine
     return None
 

@@ -173,8 +173,8 @@ def run_alone(job: ExtractJob) -> dict:
 def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
     """Print the expected output size; refuse to start when the store's disk lacks room for it (and a
     transport directory, storage.transport_dir, for this shard's files: they leave it once packed)."""
-    shape = job.input_shape or disk.InputShape(len(shard), len(shard), max(len(shard), 1))
-    finished = disk.finished_conversations(job.manifest, shape.shard_size) if job.input_shape else 0
+    shape = job.input_shape or disk.InputShape(len(shard), len(shard), ((0, len(shard)),))
+    finished = disk.finished_conversations(job.manifest, shape.plan) if job.input_shape else 0
     size = disk.estimate(shard["num_tokens"].tolist(), [r.num_tokens for r in todo], job.expected,
                          job.max_seq_len, shape, finished)
     logger.info("shard %s: %s", job.tokenized, size.describe(shape.input_conversations))
@@ -202,7 +202,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
             job.trust_remote_code, os.path.abspath(job.samples_dir),
         ),
         job.engine["cpu_kv_cache_gib"], [c.__dict__ for c in job.expected.captures], job.engine["keep_alive_s"],
-        job.gpus, str(job.run_dir), job.shard_name,
+        job.gpus, str(job.run_dir), job.shard_name, int(sum(r.num_tokens for r in todo)),
     )
     try:
         engine.check_prompt_fits(max(r.num_tokens for r in todo))

@@ -151,21 +151,21 @@ def footprint(run: Path) -> dict:
 
 def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict, captures: list[dict],
                        cores: int, shards: int, exports: bool, jobs_per_engine: int = 1,
-                       transport_dir: str = "") -> dict:
+                       transport_dir: str = "", shard_taper: int = 0) -> dict:
     """One whole run (tokenize, extract, validate, pack, report) of demo-like conversations in `shards`
     shards, the model already built: tokens packed per wall second, from the start and from the moment
     the first extract job had its engine ready to the packed dataset, and the engine loads it took (one:
     the node's engine serves every shard). On a GPU `jobs_per_engine` extract jobs run side by side (one
     computes, the others prepare and queue for the engine). `transport_dir`: storage.transport_dir (its
     peak is measured apart: memory, not disk). With `exports`, then both trainer exports, for the
-    footprint after them."""
+    footprint after them. `shard_taper`: the config's, the last of those shards split in halving pieces."""
     work.mkdir(parents=True, exist_ok=True)
     from eagle3data.model_info import read_model_info
 
     info = read_model_info(model)
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config.update(run="bench-e2e", input=str(write_conversations(work / "conversations.jsonl", conversations)),
-                  shard_size=-(-conversations // shards), captures=captures)
+                  shard_size=-(-conversations // shards), shard_taper=shard_taper, captures=captures)
     config["model"].update(path=str(Path(model).resolve()), build_demo=False, hidden_size=info.hidden_size,
                            num_hidden_layers=info.num_hidden_layers)
     config["engine"].update(engine)
@@ -215,7 +215,7 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
             "index_seconds": counts.get("index_seconds"),
             "tokens_per_second_from_engine_ready": tokens / from_ready, "timeline": timeline,
             "rule_seconds": rules, "cores": cores,
-            "shards": len(extract), "engine_loads": len(loads), "engine_load_seconds": sum(loads),
+            "shards": len(extract), "shard_taper": shard_taper, "engine_loads": len(loads), "engine_load_seconds": sum(loads),
             "footprint": {**disk, "peak_bytes": peak_bytes, "pipeline_peak_bytes": pipeline_peak}}
 
 
