@@ -37,6 +37,10 @@ def test_quick_benchmark_prints_and_writes_every_figure(tmp_path):
     # Figure 7's run has several shards and one engine load: the node's engine serves them all.
     end_to_end = report["measurements"]["end_to_end"]
     assert end_to_end["shards"] > 1 and end_to_end["engine_loads"] == 1, end_to_end
+    # Its engine served the shards one after another, each turn recorded in the order it came.
+    turns = end_to_end["engine_turns"]
+    assert [t["served"] for t in turns] == list(range(1, end_to_end["shards"] + 1)), turns
+    assert all(t["tokens"] > 0 and t["generate_seconds"] > 0 for t in turns), turns
     # Its timeline follows the chain (each stage's last job after the one before), within the figure's span.
     t = end_to_end["timeline"]
     assert 0 < t["engine_held_seconds"] <= t["last_generate_end"] <= t["last_extract_end"], t
