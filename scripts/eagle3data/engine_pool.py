@@ -143,7 +143,7 @@ def acquire(kwargs: dict, cpu_kv_cache_gib: int, captures: list[dict], keep_aliv
     among = jobinfo.gpus_to_claim(gpus)
     place, loaded = None, None  # this job's place once it queues; the engine it loaded, if it handed it on
     try:
-        while (engine := _take_in_turn(key, place)) is None:
+        while (engine := _take_in_turn(key, place, tokens)) is None:
             if gpus:
                 stop_idle(lambda e: e.key != key)  # idle servers of other settings may hold the GPUs needed
             claimed = None if among is None else jobinfo.try_claim_gpus(gpus, among, jobinfo.gpu_lock_scope())
@@ -169,9 +169,13 @@ def acquire(kwargs: dict, cpu_kv_cache_gib: int, captures: list[dict], keep_aliv
     return engine
 
 
-def _take_in_turn(key: str, place: engine_queue.Place | None) -> RemoteEngine | None:
-    """A free server of this key for a job not queued, or queued and first in line."""
-    if place is not None and not engine_queue.first(registry(), key, place):
+def _take_in_turn(key: str, place: engine_queue.Place | None, tokens: int) -> RemoteEngine | None:
+    """A free server of this key, when this job's turn has come: queued and first in line, or not queued
+    and no queued job has more tokens to compute."""
+    if place is None:
+        if engine_queue.anyone_with_more(registry(), key, tokens):
+            return None
+    elif not engine_queue.first(registry(), key, place):
         return None
     return take_free(key)
 
@@ -183,7 +187,7 @@ def _wait_for_free(key: str, seconds: float, place: engine_queue.Place) -> Remot
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         time.sleep(HANDOFF_POLL_S)
-        if (engine := _take_in_turn(key, place)) is not None:
+        if (engine := _take_in_turn(key, place, place.tokens)) is not None:
             return engine
     return None
 
