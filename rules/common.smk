@@ -51,6 +51,7 @@ def shard_rows(wildcards):
 
 
 def shard_conversations(wildcards):
+    """Rule extract's priority: larger shards first, so a run ends on its smallest (shard_taper)."""
     start, stop = shard_rows(wildcards)
     return stop - start
 
