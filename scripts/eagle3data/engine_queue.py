@@ -3,8 +3,8 @@
 Extract jobs side by side beyond an engine's GPUs queue for it (engine_pool.acquire). Their order
 decides a run's tail: after the last extract job come that shard's validate and pack (its bytes written
 at the disk's pace) and the index, so the last shard extracted should be the smallest (`shard_taper`
-makes small ones). Snakemake starts jobs in its own order, and the small shards, tokenized first, start
-first. So a queued job enters its tokens here, and a free engine goes to the queued job with the most
+makes small ones). Snakemake starts the larger shards first among those ready (rule extract's
+priority), but the small shards, tokenized first, are ready first. So a queued job enters its tokens here, and a free engine goes to the queued job with the most
 (of equal ones, the one queued first); the job that loaded the engine hands it on to such a job too.
 
 A place in the queue is a file `<engine key>.<tokens>.<ns queued>.<pid>.queued` in the node's engine
