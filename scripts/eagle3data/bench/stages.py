@@ -202,38 +202,37 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     rules = {}
     for tsv in sorted((run / "benchmarks").rglob("*.tsv")):
         rules[str(tsv.relative_to(run / "benchmarks"))] = float(pd.read_csv(tsv, sep="\t")["s"].iloc[0])
-    extract = [json.loads(p.read_text()) for p in sorted((run / "extract").glob("*.stats.json"))]
+    stats_files = sorted((run / "extract").glob("*.stats.json"))
+    extract = [json.loads(p.read_text()) for p in stats_files]
     loads = [s["engine_load_seconds"] for s in extract if s.get("engine_loaded_here")]
     first_ready = min(s["engine_ready_at"] for s in extract)
     timeline = run_timeline(run, extract, first_ready)
-    jobs = engine_turns(run, first_ready)
+    turns = engine_turns(stats_files, extract, first_ready)
     from_ready = timeline["index_end"]  # the counts file is written once the dataset is
     return {"conversations": conversations, "packed": counts["packed"], "tokens": tokens, "seconds": seconds,
             "tokens_per_second": tokens / seconds, "seconds_from_engine_ready": from_ready,
             "seconds_from_engine_ready_to_end_of_run": finished_at - first_ready, "jobs_per_engine": jobs_per_engine,
             "transport_dir": transport_dir,
             "extract_prepare_seconds": [s.get("prepare_seconds") for s in extract],
-            "index_seconds": counts.get("index_seconds"), "engine_turns": jobs,
+            "index_seconds": counts.get("index_seconds"), "engine_turns": turns,
             "tokens_per_second_from_engine_ready": tokens / from_ready, "timeline": timeline,
             "rule_seconds": rules, "cores": cores,
             "shards": len(extract), "shard_taper": shard_taper, "engine_loads": len(loads), "engine_load_seconds": sum(loads),
             "footprint": {**disk, "peak_bytes": peak_bytes, "pipeline_peak_bytes": pipeline_peak}}
 
 
-def engine_turns(run: Path, first_ready: float) -> list[dict]:
-    """Each extract job's turn on the engine, in the order the engine served them: its shard, tokens,
-    when it had the engine (seconds from the first job's) and for how long it was in generate(), and
-    when its manifest was written: whether the largest shards went first, the engine's rate per shard,
-    and the gaps between turns."""
+def engine_turns(stats_files: list[Path], extract: list[dict], first_ready: float) -> list[dict]:
+    """Each extract job's turn on the engine (its stats file and what it holds), in the order the engine
+    served them: its shard, tokens, when it had the engine (seconds from the first job's) and for how long
+    it was in generate(), and when its manifest was written: whether the largest shards went first, the
+    engine's rate per shard, and the gaps between turns."""
     turns = []
-    for path in sorted((run / "extract").glob("shard-*.stats.json")):
-        stats = json.loads(path.read_text())
-        ready = stats["engine_ready_at"] - first_ready
-        turns.append({"shard": path.name.split(".")[0], "tokens": stats["computed_tokens"],
-                      "served": stats["engine_shards_served"], "ready": ready,
+    for path, stats in zip(stats_files, extract):
+        shard = path.name.split(".")[0]
+        turns.append({"shard": shard, "tokens": stats["computed_tokens"], "served": stats["engine_shards_served"],
+                      "ready": stats["engine_ready_at"] - first_ready,
                       "generate_seconds": stats["generate_seconds"] + stats["replies_seconds"],
-                      "manifest_written": path.with_name(f"{path.name.split('.')[0]}.parquet").stat().st_mtime
-                      - first_ready})
+                      "manifest_written": path.with_name(f"{shard}.parquet").stat().st_mtime - first_ready})
     return sorted(turns, key=lambda turn: turn["ready"])
 
 
