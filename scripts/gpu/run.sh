@@ -117,7 +117,8 @@ case "$what" in
     ;;
   figures)  # figures 1 and 7 through the benchmark command: 8B Llama shape (dummy weights), TP1; figure 1's
             # prompts (FIGURE1_PROMPTS, 2048), figure 7's shards (FIGURE7_SHARDS, 8; the last one in halving
-            # pieces, FIGURE7_TAPER, 3) and its extract jobs side by side (JOBS_PER_ENGINE, the taper + 3)
+            # pieces, FIGURE7_TAPER, 3) and its extract jobs side by side (JOBS_PER_ENGINE, the taper + 3);
+            # BATCHES_IN_FLIGHT=1 for the engine drained at every batch's end (the default keeps it fed)
     step figures 1,7
     python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     # The machine each second (CPU busy/idle/iowait, blocks written, dirty memory) for where the tail goes.
@@ -129,7 +130,7 @@ case "$what" in
       --conversations 6144 --shards "${FIGURE7_SHARDS:-8}" --shard-taper "${FIGURE7_TAPER:-3}" \
       ${JOBS_PER_ENGINE:+--jobs-per-engine "$JOBS_PER_ENGINE"} --transport-dir "${TRANSPORT_DIR:-}" \
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
-      --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
+      ${BATCHES_IN_FLIGHT:+batches_in_flight=$BATCHES_IN_FLIGHT} --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
     echo "benchmark: exit $?"; kill $vmstat_pid; grep -E "^figure|^          " /tmp/figures.log; tail -n 3 /tmp/figures.log
     # What a tail job's start would cost here without the warm job server: its imports, each module alone
     for module in eagle3data.validate eagle3data.pack eagle3data.index; do

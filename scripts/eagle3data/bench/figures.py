@@ -110,8 +110,8 @@ def extract_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
 
 def describe_timeline(t: dict, bare_seconds: float) -> str:
     """Figure 7's seconds from the engine ready: what bounds it, extraction or the tail after it."""
-    return (f"seconds from the engine ready: bare prefill of these tokens {bare_seconds:.1f}, jobs in generate() "
-            f"{t['engine_held_seconds']:.1f} of the {t['last_generate_end']:.1f} to the last generate's end, last "
+    return (f"seconds from the engine ready: bare prefill of these tokens {bare_seconds:.1f}, jobs' batches in the "
+            f"engine {t['engine_held_seconds']:.1f} of the {t['last_generate_end']:.1f} to the last reply, last "
             f"extract job ends {t['last_extract_end']:.1f}, validate {t['last_validate_end']:.1f}, pack_shard "
             f"{t['last_pack_shard_end']:.1f}, index {t['index_end']:.1f}")
 

@@ -224,7 +224,7 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
 def engine_turns(stats_files: list[Path], extract: list[dict], first_ready: float) -> list[dict]:
     """Each extract job's turn on the engine (its stats file and what it holds), in the order the engine
     served them: its shard, tokens, when it had the engine (seconds from the first job's) and for how long
-    it was in generate(), and when its manifest was written: whether the largest shards went first, the
+    it had batches in the engine, and when its manifest was written: whether the largest shards went first, the
     engine's rate per shard, and the gaps between turns."""
     turns = []
     for path, stats in zip(stats_files, extract):
@@ -238,14 +238,19 @@ def engine_turns(stats_files: list[Path], extract: list[dict], first_ready: floa
 
 def run_timeline(run: Path, extract: list[dict], first_ready: float) -> dict:
     """Where figure 7's seconds go, from the engine ready (epoch `first_ready`): when the last job of each
-    stage wrote its output (file times, not the Snakemake log's whole seconds), and how long jobs held
-    the engine in generate() (the rest of the span up to the last generate's end the engine idled
-    between jobs, or while a job prepared its prompts)."""
+    stage wrote its output (file times, not the Snakemake log's whole seconds), and how long jobs had
+    batches in the engine, counted once where turns overlap (the rest of the span up to the last reply
+    the engine idled between jobs, or while a job prepared its prompts)."""
     def last_written(pattern: str) -> float:
         return max(p.stat().st_mtime for p in run.glob(pattern)) - first_ready
 
-    held = sum(s["generate_seconds"] + s["replies_seconds"] for s in extract)
-    last_generate = max(s["engine_ready_at"] + s["generate_seconds"] + s["replies_seconds"] for s in extract)
+    turns = sorted((s["engine_ready_at"], s["engine_ready_at"] + s["generate_seconds"] + s["replies_seconds"])
+                   for s in extract)
+    held, covered = 0.0, turns[0][0]  # the union of the turns: one job's last batches overlap the next's first
+    for start, end in turns:
+        held += max(0.0, end - max(start, covered))
+        covered = max(covered, end)
+    last_generate = covered
     return {"last_extract_end": last_written("extract/shard-*.parquet"),
             "last_validate_end": last_written("validated/shard-*.quarantined.parquet"),
             "last_pack_shard_end": last_written("packed/shard-*.json"),
