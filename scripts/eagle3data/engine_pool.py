@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Client
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NoReturn
 
 from eagle3data import engine_queue, jobinfo
 from eagle3data.jobinfo import try_lock
@@ -134,7 +134,7 @@ class RemoteEngine:
         except (EOFError, ConnectionError, BrokenPipeError) as exc:
             self._crashed(exc)
 
-    def _crashed(self, exc: Exception):
+    def _crashed(self, exc: Exception) -> NoReturn:
         Path(self.entry.path).unlink(missing_ok=True)
         raise EngineCrashed(
             f"engine {self.entry.id} (pid {self.entry.pid} on {self.entry.node}) went away while "

@@ -194,7 +194,7 @@ class Server:
 
     def _add_batch(self, client: Client, token_ids: list[list[int]], paths: list[str]) -> None:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         kill_point(f"engine:generate:{client.shard}")
@@ -209,7 +209,7 @@ class Server:
                 params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"hidden_states_path": path}})
                 params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate asks: one output, at the end
                 request_id = str(next(self.request_ids))
-                self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+                self.llm.llm_engine.add_request(request_id, tokens_input(ids), params)  # as rendered
                 self.requests[request_id] = (batch, place)
                 added.append(request_id)
         except Exception:

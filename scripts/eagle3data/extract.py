@@ -240,9 +240,9 @@ def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, 
                  steps: dict[str, float]) -> tuple[int, list, object]:
     """Send the batches ahead (`engine.batches_in_flight` of them in the engine at once, so that it never
     runs dry between two), check each one's replies as they come, and hand the engine on once the last
-    batch is sent (with one in flight: after its reply); the watcher (watcher.py) checks the files as they land. Returns the files still to
-    come after the last reply, and for make_durable the whole files and the sync of those found whole
-    early (`store.start_syncing`)."""
+    batch is sent (with one in flight: after its reply); the watcher (watcher.py) checks the files as
+    they land. Returns the files still to come after the last reply, and for make_durable the whole
+    files and the sync of those found whole early (`store.start_syncing`)."""
     size, ahead = job.engine["batch_samples"], job.engine["batches_in_flight"]
     batches = [todo[start : start + size] for start in range(0, len(todo), size)]
     in_flight = deque()
