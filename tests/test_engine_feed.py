@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import yaml
 from conftest import REPO
 
@@ -55,6 +56,11 @@ def test_the_next_job_feeds_the_engine_while_the_last_ones_batches_run(tiny_deep
     try:
         a1, a2, b1, c1 = batches(store, [4, 48, 3, 5], seed=11)
         assert first.begin_shard("shard-a") == 1
+        # vLLM's engine processes stopped: the server's loop waits in its step on a1, so a2 and b1 are
+        # both waiting to go in when they resume, whatever the machine's load.
+        engine_processes = psutil.Process(first.entry.pid).children(recursive=True)
+        for process in engine_processes:
+            process.suspend()
         first.submit(*a1)
         first.submit(*a2)
         first.release()  # its last batch is sent: the engine goes to the next job
@@ -62,6 +68,8 @@ def test_the_next_job_feeds_the_engine_while_the_last_ones_batches_run(tiny_deep
         assert second is not None and not second.loaded_here
         assert second.begin_shard("shard-b") == 2
         second.submit(*b1)
+        for process in engine_processes:
+            process.resume()
         collected(second, b1)  # each job reads its own replies, whatever the other does
         collected(first, a1)
         collected(first, a2)
