@@ -2,7 +2,11 @@
 # (regenerate ->) tokenize -> extract -> validate -> pack -> vocab -> report (+ trainer exports); see README.md.
 
 
-configfile: "config/config.yaml"
+# The demo runs when no config file is given; a user's --configfile is completed with the schema's
+# defaults (config/schema.yaml), never with the demo's values.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/demo.yaml"
 
 
 include: "rules/common.smk"

@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def demo_config(**overrides) -> dict:
     """The embedded default config, with absolute input paths so it runs from any directory."""
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config = yaml.safe_load((REPO / "config" / "demo.yaml").read_text())
     config["input"] = str(DEMO_CONVERSATIONS)
     # A run that fails leaves its engine loaded this long (engine.keep_alive_s): the suite's failing runs
     # must not pile up idle engines.

@@ -44,7 +44,7 @@ def collected(engine: engine_pool.RemoteEngine, sent: tuple[list, list[str]]) ->
 
 
 def test_the_next_job_feeds_the_engine_while_the_last_ones_batches_run(tiny_deepseek, tmp_path):
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config = yaml.safe_load((REPO / "config" / "demo.yaml").read_text())
     captures = parse_captures(config["captures"], config["model"]["num_hidden_layers"])
     engine = engine_config({"device": "cpu", "keep_alive_s": 60})
     store = tmp_path / "store"

@@ -163,7 +163,7 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     from eagle3data.model_info import read_model_info
 
     info = read_model_info(model)
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config = yaml.safe_load((REPO / "config" / "demo.yaml").read_text())
     config.update(run="bench-e2e", input=str(write_conversations(work / "conversations.jsonl", conversations)),
                   shard_size=-(-conversations // shards), shard_taper=shard_taper, captures=captures)
     config["model"].update(path=str(Path(model).resolve()), build_demo=False, hidden_size=info.hidden_size,
