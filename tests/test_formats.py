@@ -1,6 +1,7 @@
 """The conversation formats real EAGLE-3 data comes in, through the tokenize stage (no engine needed).
 
-The files under data/formats/ (ShareGPT and OpenAI tool use, content parts, reasoning, duplicates) are
+The files under data/formats/ (ShareGPT, OpenAI and LLaMA-Factory tool use, content parts, reasoning,
+duplicates) are
 tokenized with templates written here that reproduce how real templates treat tools and reasoning:
 Qwen3's (reasoning dropped before the last user message) and Kimi-K2's (history turns get an empty
 `<think></think>`). Each kept sample's trained tokens are compared, token by token, with each assistant
@@ -16,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from eagle3data.conversations import normalize, read_shard
+from eagle3data.conversations import UnsupportedInput, normalize, read_shard
 from eagle3data.demo import KIMI_STYLE_CHAT_TEMPLATE, build_demo_tokenizer
 from eagle3data.tokenization import tokenize_records, tokenize_shard
 
@@ -218,6 +219,64 @@ def test_text_parts_are_concatenated_and_reasoning_parts_become_reasoning_conten
     assert [m["content"] for m in messages[1::2]] == ["144.", "24.", "You're welcome!"]
 
 
+def test_llamafactory_parts_become_tool_calls_tool_messages_text_and_reasoning():
+    records = [json.loads(line) for line in (FORMATS / "llamafactory_tools.jsonl").read_text().splitlines()]
+    call = lambda name, **args: {"type": "function", "function": {  # noqa: E731
+        "name": name, "arguments": json.dumps(args)}}
+    first = normalize(records[0])
+    assert first.tools == [{"type": "function", "function": json.loads(records[0]["tools"])[0]}]
+    assert first.messages == [
+        {"role": "system", "content": "You help travellers with Belgian rail timetables."},
+        {"role": "user", "content": "Is there a train from Ghent to Bruges after 18:00 today?"},
+        # A text part and a tool_call part of one message: its content and its call.
+        {"role": "assistant", "content": "Let me check this evening's departures.",
+         "tool_calls": [call("find_trains", origin="Ghent", destination="Bruges", after="18:00")]},
+        {"role": "tool", "content": '[{"departs": "18:12", "arrives": "18:37"}, {"departs": "18:42", "arrives": '
+                                    '"19:07"}]', "name": "find_trains"},
+        {"role": "assistant", "content": "Yes: one leaves at 18:12 (in Bruges at 18:37) and another at 18:42 "
+                                         "(at 19:07)."}]
+    # Two tool_call parts are two calls; the two tool_response parts of one message, two tool messages.
+    assert normalize(records[1]).messages[1:4] == [
+        {"role": "assistant", "content": "", "tool_calls": [
+            call("ticket_price", origin="Ghent", destination="Bruges", travel_class=2),
+            call("ticket_price", origin="Ghent", destination="Ostend", travel_class=2)]},
+        {"role": "tool", "content": '{"eur": 8.1}', "name": "ticket_price"},
+        {"role": "tool", "content": '{"eur": 11.4}', "name": "ticket_price"}]
+    # One tool_call part holding a list of calls, beside a reasoning part.
+    third = normalize(records[2]).messages
+    assert third[1] == {"role": "assistant", "content": "",
+                        "reasoning_content": "Two independent lookups, so I can ask for both at once.",
+                        "tool_calls": [call("find_trains", origin="Ghent", destination="Antwerp", after="07:00"),
+                                       call("find_trains", origin="Ghent", destination="Brussels", after="07:00")]}
+    assert third[4]["reasoning_content"] == "07:04 is before 07:09, though Brussels arrives first."
+    assert third[4]["content"].startswith("The Antwerp train leaves first")
+
+
+def test_tool_result_parts_stand_alone_in_a_tool_or_user_message():
+    ask = {"role": "user", "content": "Price to Ostend?"}
+    calls = {"role": "assistant", "content": [
+        {"type": "tool_call", "value": '{"name": "ticket_price", "arguments": {"to": "Ostend"}}'}]}
+
+    def messages(*after):
+        return normalize({"messages": [ask, calls, *after]}).messages
+
+    result = {"type": "tool_response", "value": {"eur": 11.4}}
+    # A user message of results only (templates that wrap results in a user turn) gives tool messages.
+    assert messages({"role": "user", "content": [result]})[2] == {
+        "role": "tool", "content": '{"eur": 11.4}', "name": "ticket_price"}
+    for message, reason in [
+            ({"role": "assistant", "content": [result]},
+             "bad_tool_response: tool results in a message of role assistant"),
+            ({"role": "tool", "content": [{"type": "text", "value": "Ostend:"}, result]},
+             "bad_tool_response: a tool message holds text besides its tool results"),
+            ({"role": "tool", "content": [{"type": "observation"}]},
+             "bad_tool_response: observation part without a value"),
+            ({"role": "user", "content": calls["content"]}, "bad_tool_call: tool calls on a user message")]:
+        with pytest.raises(UnsupportedInput) as raised:
+            messages(message)
+        assert str(raised.value) == reason
+
+
 # ---------------------------------------------------------------------------------------------------
 # Masks, token by token, through the tokenize stage
 # ---------------------------------------------------------------------------------------------------
@@ -245,6 +304,26 @@ def test_openai_tools_masks_and_skips(tokenizer, template):
     found = reasons(skipped, records)
     assert found == {"oa-tools-3": "bad_tool_call: a call without a function name",
                      "oa-tools-4": "bad_tools: a tool without a type or a function name"}
+
+
+@pytest.mark.parametrize("template", ["qwen3", "kimi"])
+def test_llamafactory_tools_masks_and_skips(tokenizer, template):
+    kept, skipped, records = tokenize_file(tokenizer, TEMPLATES[template][0], "llamafactory_tools.jsonl")
+    trained = check_masks(tokenizer, template, kept, records)
+    assert {records[r]["id"]: parts for r, parts in trained.items()} == {
+        "lf-tools-0": [[2, 4]], "lf-tools-1": [[1, 4]], "lf-tools-2": [[1, 4]]}
+    # The template writes every call out, inside the trained tokens.
+    marker = {"qwen3": "<tool_call>", "kimi": "<|tool_call_begin|>"}[template]
+    for row in kept.itertuples():
+        calls = [c for m in normalize(records[row.source_row]).messages for c in m.get("tool_calls", [])]
+        trained_text = tokenizer.decode([t for t, m in zip(row.input_ids, row.loss_mask) if m])
+        assert trained_text.count(marker) == len(calls) == {0: 1, 1: 2, 2: 2}[row.source_row]
+        assert all(c["function"]["arguments"] in trained_text for c in calls)
+    assert kept["has_tool_calls"].all() and (kept["tool_call_tokens"] > 0).all()
+    assert reasons(skipped, records) == {
+        "lf-tools-3": "bad_tool_call: tool_call part value is not JSON (Expecting value)",
+        "lf-tools-4": "bad_tool_call: a call without a function name"}
+    assert len(kept) + len(skipped) == len(records) == 5
 
 
 def test_reasoning_qwen3_style_splits_where_history_loses_its_reasoning(tokenizer):
@@ -386,6 +465,6 @@ def test_snakemake_tokenizes_every_format_file_without_a_failed_job(tmp_path):
     assert len(kept) + len(skipped) == len(rows)  # the demo template rewrites no turn: nothing splits
     # The demo template renders neither tools nor calls: tool data is skipped, with the reason.
     assert skipped["reason"].str.split(":").str[0].value_counts().to_dict() == {
-        "template_ignores_tools": 7, "duplicate_conversation": 3, "bad_tool_call": 2, "bad_tools": 2,
+        "template_ignores_tools": 10, "duplicate_conversation": 3, "bad_tool_call": 4, "bad_tools": 2,
         "non_text_content": 2}
     assert kept["reasoning_not_rendered"].sum() == 4 and not kept["has_reasoning"].any()

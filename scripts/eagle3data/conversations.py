@@ -9,7 +9,8 @@ Every input form becomes the OpenAI message list that Hugging Face chat template
 arguments}}]` (and `id` where the data has one) and `reasoning_content` on assistant messages,
 `tool_call_id`/`name` on tool messages where known. Policies (the README's "Input formats"):
 - text parts of a content list are concatenated with nothing between them (OpenAI's and the
-  Qwen/Kimi templates' way); a part of any other kind (image, audio, file...) is refused with its type;
+  Qwen/Kimi templates' way); a part's payload is its `text` (OpenAI) or `value` (LLaMA-Factory's
+  `{type, value}` parts); a part of any other kind (image, audio, file...) is refused with its type;
 - reasoning (`reasoning_content`, `reasoning`, `thinking`, or parts of type reasoning/thinking) is
   kept as `reasoning_content`, message field first, then parts, concatenated;
 - call arguments are passed as a JSON string, as OpenAI's API gives them (a string is kept verbatim,
@@ -18,6 +19,11 @@ arguments}}]` (and `id` where the data has one) and `reasoning_content` on assis
   becomes the tool calls of an assistant message, joining the assistant message right before it
   (text then calls, or parallel calls) or opening a new one with empty content. ShareGPT calls have
   no ids; none are invented;
+- a `tool_call` part (LLaMA-Factory's form) holds the same JSON as a ShareGPT function_call turn and is
+  read by the same code; its calls join the message's own `tool_calls`, after its text (the order the
+  templates, and LLaMA-Factory's renderers, write them in). A `tool_response`/`observation` part becomes
+  a tool message of its own, one per part; only a tool or user message that holds nothing else may
+  carry them;
 - a ShareGPT record's non-empty top-level `system` field (LLaMA-Factory's layout) is its system message,
   unless the turns begin with one;
 - a tool result gets the `name` (and `tool_call_id`) of the call it answers, matched by id, else by
@@ -29,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -60,6 +66,8 @@ OPENAI_ROLES = {"system": "system", "developer": "developer", "user": "user", "a
                 "tool": "tool", "function": "tool"}
 TEXT_PARTS = {"text", "input_text", "output_text"}
 REASONING_PARTS = {"reasoning", "thinking"}
+TOOL_CALL_PARTS = {"tool_call", "tool_calls", "function_call"}
+TOOL_RESULT_PARTS = {"tool_response", "tool_result", "observation", "function_response"}
 REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 
 
@@ -114,16 +122,33 @@ def read_shard(path: str | Path, start: int, stop: int):
     )
 
 
-def _text_and_reasoning(content) -> tuple[str, str]:
-    """A message's content (string, one part or a list of parts) as (text, reasoning from parts)."""
+@dataclass
+class _Content:
+    """What a message's content holds: text, reasoning, tool calls and tool results (from parts)."""
+
+    text: str = ""
+    reasoning: str = ""
+    calls: list[dict] = field(default_factory=list)
+    results: list[dict] = field(default_factory=list)  # {content, tool_call_id?, name?} per result part
+
+
+def _part_value(part: dict, kind: str | None):
+    """A part's payload: under `text` or its type's name (OpenAI), or under `value` (LLaMA-Factory); the
+    first non-empty one, else an empty one, else None."""
+    values = [part[key] for key in ("text", kind, "value") if key is not None and part.get(key) is not None]
+    return next((v for v in values if v != ""), values[0] if values else None)
+
+
+def _content(content) -> _Content:
+    """A message's content: a string, one part or a list of parts."""
     if content is None:
-        return "", ""
+        return _Content()
     if isinstance(content, str):
-        return content, ""
+        return _Content(content)
     parts = [content] if isinstance(content, dict) else content
     if not isinstance(parts, list):
         raise UnsupportedInput(f"non_text_content:{type(content).__name__}")
-    text, reasoning = [], []
+    out, text, reasoning = _Content(), [], []
     for part in parts:
         if isinstance(part, str):
             text.append(part)
@@ -131,13 +156,23 @@ def _text_and_reasoning(content) -> tuple[str, str]:
         if not isinstance(part, dict):
             raise UnsupportedInput(f"non_text_content:{type(part).__name__}")
         kind = part.get("type", "text" if "text" in part else None)
+        value = _part_value(part, kind)
         if kind in TEXT_PARTS:
-            text.append(str(part.get("text") or ""))
+            text.append("" if value is None else str(value))
         elif kind in REASONING_PARTS:
-            reasoning.append(str(part.get("text") or part.get(kind) or ""))
+            reasoning.append("" if value is None else str(value))
+        elif kind in TOOL_CALL_PARTS:
+            out.calls.extend(_json_calls(value, f"{kind} part value"))
+        elif kind in TOOL_RESULT_PARTS:
+            if value is None:
+                raise UnsupportedInput(f"bad_tool_response: {kind} part without a value")
+            result = {"content": value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}
+            result.update({k: part[k] for k in ("tool_call_id", "name") if part.get(k)})
+            out.results.append(result)
         else:
             raise UnsupportedInput(f"non_text_content:{kind}")
-    return "".join(text), "".join(reasoning)
+    out.text, out.reasoning = "".join(text), "".join(reasoning)
+    return out
 
 
 def _reasoning(turn: dict, from_parts: str) -> str:
@@ -164,16 +199,17 @@ def _tool_call(call) -> dict:
     return out
 
 
-def _sharegpt_calls(value) -> list[dict]:
-    """A ShareGPT function_call turn's value: a JSON object `{name, arguments}` or a list of them."""
+def _json_calls(value, source: str = "function_call value") -> list[dict]:
+    """A ShareGPT function_call turn's value, or a `tool_call` part's: a JSON object `{name, arguments}`
+    or a list of them (or that object or list already parsed). `source` names it in skip reasons."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise UnsupportedInput(f"bad_tool_call: function_call value is not JSON ({exc.msg})") from exc
+            raise UnsupportedInput(f"bad_tool_call: {source} is not JSON ({exc.msg})") from exc
     calls = value if isinstance(value, list) else [value]
     if not calls:
-        raise UnsupportedInput("bad_tool_call: function_call turn without a call")
+        raise UnsupportedInput(f"bad_tool_call: {source} holds no call")
     return [_tool_call(c) for c in calls]
 
 
@@ -250,6 +286,26 @@ class _Builder:
         return link
 
 
+def _add_turn(built: _Builder, role: str, content: _Content, reasoning: str, calls: list[dict],
+              extra: dict) -> None:
+    """One input message: the message itself, or the tool messages of its tool result parts."""
+    calls = calls + content.calls
+    if calls and role != "assistant":
+        raise UnsupportedInput(f"bad_tool_call: tool calls on a {role} message")
+    if not content.results:
+        built.add(role, content.text, reasoning, calls, extra)
+        return
+    if role not in ("tool", "user"):
+        raise UnsupportedInput(f"bad_tool_response: tool results in a message of role {role}")
+    if content.text or reasoning:
+        raise UnsupportedInput(f"bad_tool_response: a {role} message holds text besides its tool results")
+    for result in content.results:
+        # The message's own tool_call_id/name can only say which call a lone result answers.
+        link = extra if len(content.results) == 1 else {}
+        built.add("tool", result["content"], "", None,
+                  {k: result.get(k) or link.get(k) for k in ("tool_call_id", "name")})
+
+
 def _openai(turns: list) -> list[dict]:
     built = _Builder()
     for turn in turns:
@@ -258,13 +314,11 @@ def _openai(turns: list) -> list[dict]:
         role = OPENAI_ROLES.get(turn.get("role"))
         if role is None:
             raise UnsupportedInput(f"unknown_role:{turn.get('role')}")
-        text, from_parts = _text_and_reasoning(turn.get("content"))
+        content = _content(turn.get("content"))
         calls = turn.get("tool_calls") or ([turn["function_call"]] if turn.get("function_call") else [])
         if not isinstance(calls, list):
             raise UnsupportedInput("bad_tool_call: tool_calls is not a list")
-        if calls and role != "assistant":
-            raise UnsupportedInput(f"bad_tool_call: tool calls on a {role} message")
-        built.add(role, text, _reasoning(turn, from_parts), [_tool_call(c) for c in calls],
+        _add_turn(built, role, content, _reasoning(turn, content.reasoning), [_tool_call(c) for c in calls],
                   {"tool_call_id": turn.get("tool_call_id"), "name": turn.get("name")})
     return built.messages
 
@@ -278,10 +332,10 @@ def _sharegpt(turns: list) -> list[dict]:
         if role is None:
             raise UnsupportedInput(f"unknown_role:{turn.get('from')}")
         if role == "tool_call":
-            built.add(role, "", "", _sharegpt_calls(turn.get("value")))
+            built.add(role, "", "", _json_calls(turn.get("value")))
             continue
-        text, from_parts = _text_and_reasoning(turn.get("value"))
-        built.add(role, text, _reasoning(turn, from_parts), None, {"name": turn.get("name")})
+        content = _content(turn.get("value"))
+        _add_turn(built, role, content, _reasoning(turn, content.reasoning), [], {"name": turn.get("name")})
     return built.messages
 
 
