@@ -14,6 +14,6 @@ rule vocab:
         model_path=config["model"]["path"],
         draft_vocab_size=config["draft_vocab_size"],
     message:
-        "Counting trainable tokens for a draft vocabulary of {params.draft_vocab_size}"
+        "Counting trainable tokens for the draft vocabulary (draft_vocab_size: {params.draft_vocab_size})"
     script:
         "../scripts/vocab.py"

@@ -12,6 +12,7 @@ if __name__ == "__main__":
         stop_idle()
     start_job(sm.resources.gpu)  # claims this job's GPUs: before anything starts CUDA
     from eagle3data.regenerate import RegenerateJob, run
+    from eagle3data.settings import Settings
 
     run(
         RegenerateJob(
@@ -23,7 +24,7 @@ if __name__ == "__main__":
             journal=sm.params.journal,
             model_path=sm.params.model["path"],
             trust_remote_code=sm.params.model["trust_remote_code"],
-            dtype=sm.params.model["dtype"],
+            dtype=Settings(dict(sm.config)).dtype,
             max_seq_len=sm.params.max_seq_len,
             engine=dict(sm.config["engine"]),  # read at run time: engine settings do not change the data
             settings=dict(sm.params.settings),

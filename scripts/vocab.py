@@ -1,6 +1,7 @@
 """Snakemake script for rule vocab: see eagle3data.vocab."""
 
 from eagle3data.logs import redirect_output_to
+from eagle3data.settings import Settings
 from eagle3data.vocab import write_vocab
 
 sm = snakemake  # noqa: F821
@@ -8,7 +9,7 @@ redirect_output_to(sm.log[0])
 write_vocab(
     dataset_path=sm.input.dataset,
     model_path=sm.params.model_path,
-    draft_vocab_size=sm.params.draft_vocab_size,
+    draft_vocab_size=Settings(dict(sm.config)).draft_vocab_size,
     token_freq_out=sm.output.token_freq,
     mapping_out=sm.output.mapping,
 )

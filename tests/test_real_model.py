@@ -23,6 +23,7 @@ from conftest import REPO, run_snakemake, with_defaults
 from safetensors.torch import load_file
 
 from eagle3data import open_dataset
+from eagle3data.layers import eagle3_captures
 from eagle3data.bench.crosscheck import load_reference_model, reference_states
 from eagle3data.gguf_model import GgufSourceError, locate_gguf
 from eagle3data.layers import parse_captures
@@ -30,7 +31,7 @@ from eagle3data.store import sample_path
 
 SMOLLM2_YAML = REPO / "config" / "smollm2.yaml"
 CONVERSATIONS = REPO / "data" / "smollm2" / "conversations.jsonl"
-CAPTURES = parse_captures(yaml.safe_load(SMOLLM2_YAML.read_text())["captures"], 30)
+CAPTURES = parse_captures(eagle3_captures(30), 30)  # config/smollm2.yaml takes the default
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
 
@@ -234,7 +235,7 @@ def test_fp32_states_equal_transformers_hidden_states(smollm2_run, smollm2, fp32
     shard = tmp_path / "shard.parquet"
     samples.to_parquet(shard, index=False)
     config = with_defaults(smollm2_config(smollm2))
-    args = {"model": str(smollm2), "captures": config["captures"], "shard": str(shard),
+    args = {"model": str(smollm2), "captures": eagle3_captures(30), "shard": str(shard),
             "store": str(tmp_path / "store"), "manifest": str(tmp_path / "manifest.parquet"),
             "stats": str(tmp_path / "stats.json"), "engine": config["engine"]}
     script = tmp_path / "run_extract.py"

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from eagle3data.model_builds import building
+
 KIMI_SPECIAL_TOKENS = [
     "<|pad|>",
     "<|unk|>",
@@ -126,7 +128,8 @@ def tiny_deepseek_v3_config(vocab_size: int, num_hidden_layers: int = 8, hidden_
 
 
 def build_demo_model(conversations_path: Path, out_dir: Path, seed: int = 0) -> None:
-    """Write a tokenizer and a random-weight DeepSeek-V3 model to `out_dir` (deterministic in `seed`)."""
+    """Write a tokenizer and a random-weight DeepSeek-V3 model to `out_dir` (deterministic in `seed`),
+    atomically and marked as built here (eagle3data.model_builds)."""
     from transformers import DeepseekV3ForCausalLM
 
     texts = []
@@ -135,14 +138,14 @@ def build_demo_model(conversations_path: Path, out_dir: Path, seed: int = 0) -> 
             record = json.loads(line)
             for turn in record.get("conversations") or record.get("messages") or []:
                 texts.append(turn.get("value", turn.get("content", "")))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_demo_tokenizer(texts, out_dir)
-    torch.manual_seed(seed)
-    config = tiny_deepseek_v3_config(vocab_size=len(tokenizer))
-    model = DeepseekV3ForCausalLM(config).to(torch.float32)
-    # Random init at std 0.02 makes every layer's contribution tiny; widen it so layers differ visibly.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2 and "embed" not in name:
-                param.normal_(0.0, 0.08)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    with building(out_dir, "demo_model", str(conversations_path)) as tmp:
+        tokenizer = build_demo_tokenizer(texts, tmp)
+        torch.manual_seed(seed)
+        config = tiny_deepseek_v3_config(vocab_size=len(tokenizer))
+        model = DeepseekV3ForCausalLM(config).to(torch.float32)
+        # Random init at std 0.02 makes every layer's contribution tiny; widen it so layers differ visibly.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.dim() >= 2 and "embed" not in name:
+                    param.normal_(0.0, 0.08)
+        model.save_pretrained(tmp, safe_serialization=True)

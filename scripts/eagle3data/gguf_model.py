@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from eagle3data.logs import get_logger
-from eagle3data.store import atomic_path
+from eagle3data.model_builds import building
 
 logger = get_logger(__name__)
 
@@ -45,7 +45,8 @@ def locate_gguf(package: str, file: str) -> Path:
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
     """Write `out_dir` (weights in `dtype`, config, tokenizer, chat template) from `gguf_path`,
-    atomically: everything is written to a temporary directory beside it and renamed into place."""
+    atomically and marked as built here: everything is written to a temporary directory beside it and
+    renamed into place."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = gguf_path.parent, gguf_path.name
@@ -58,7 +59,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bflo
     plain.load_state_dict(quantized.state_dict(), strict=True)
     plain.generation_config = quantized.generation_config
     plain.to(dtype)
-    with atomic_path(out_dir) as tmp:
+    with building(out_dir, "gguf_model", str(gguf_path)) as tmp:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if not (Path(tmp) / "chat_template.jinja").is_file():

@@ -52,6 +52,21 @@ class CaptureConfigError(ValueError):
     pass
 
 
+def eagle3_captures(num_hidden_layers: int) -> list[dict]:
+    """EAGLE-3's usual captures for a model of N decoder layers, as speculators' and vLLM's defaults pick
+    them: the streams entering layers 2, N // 2 and N - 3 (low, middle, high) and the last layer's
+    output before the final norm (Kimi-K2.5, N = 61: 2, 30, 58 and 60's output)."""
+    n = num_hidden_layers
+    if n < 7:
+        raise CaptureConfigError(
+            f"captures: a model of {n} decoder layers has no EAGLE-3 default (layers 2, N//2 and N-3 "
+            "must differ: N >= 7); list the captures in the config"
+        )
+    return [{"layer": layer, "point": "input"} for layer in (2, n // 2, n - 3)] + [
+        {"layer": n - 1, "point": "output"}
+    ]
+
+
 def parse_captures(entries: list[dict], num_hidden_layers: int) -> list[Capture]:
     """Turn config entries into captures, refusing anything the engine cannot capture correctly."""
     captures = [Capture(int(e["layer"]), e["point"]) for e in entries]

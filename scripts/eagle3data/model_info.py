@@ -25,6 +25,7 @@ class ModelInfo:
     vocab_size: int
     uses_mla: bool
     rope_type: str  # "default" when rope is unscaled (rope_parameters/rope_scaling absent or default)
+    dtype: str | None  # the weights' dtype as config.json states it (`dtype`, or `torch_dtype` before it)
     identity: str  # hash of config.json and the weight files' names and sizes
 
 
@@ -45,6 +46,7 @@ def read_model_info(path: str | Path) -> ModelInfo:
         vocab_size=int(text["vocab_size"]),
         uses_mla=text.get("kv_lora_rank") is not None,
         rope_type=_rope_type(text),
+        dtype=text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype"),
         identity=identity,
     )
 
