@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
+from eagle3data.config_check import ConfigError  # noqa: F401 (defined once, there; importable from here)
 from eagle3data.layers import capture_metadata, parse_captures
 from eagle3data.model_info import ModelInfo, check_expectations, read_model_info
 from eagle3data.states import Expected
@@ -18,10 +19,6 @@ from eagle3data.store import content_key
 from eagle3data.trainers import trainer_settings
 
 RESULTS = Path("results")
-
-
-class ConfigError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
