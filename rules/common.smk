@@ -1,24 +1,24 @@
 # Config validation, shard bookkeeping and paths shared by every rule.
 import glob
 
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
-min_version("9.27")  # a rule's priority as a function (rule extract)
+min_version("9.27")
 
-from eagle3data.checkpoint import check_loader_config, sharded_dir
+from eagle3data.config_check import validate_config
 from eagle3data.conversations import count_conversations
 from eagle3data.disk import check_storage_config
+from eagle3data.settings import engine_device
 from eagle3data.shards import plan
 
-validate(config, workflow.source_path("../config/schema.yaml"))
-check_loader_config(config["engine"])
+validate_config(config, workflow.source_path("../config/schema.yaml"))
 check_storage_config(config["storage"])
+config["engine"]["device"] = engine_device(config["engine"]["device"])
 
 RUN = config["run"]
 RUN_DIR = f"results/{RUN}"
-SHARDED_CHECKPOINT = sharded_dir(config["model"]["path"], config["engine"])
 N_CONVERSATIONS = count_conversations(config["input"])
-SHARD_ROWS = plan(N_CONVERSATIONS, config["shard_size"], config["shard_taper"])
+SHARD_ROWS = plan(N_CONVERSATIONS, config["shard_size"])
 N_SHARDS = len(SHARD_ROWS)
 SHARDS = [f"{i:05d}" for i in range(N_SHARDS)]
 # One engine per extract job: data-parallel engines are extract jobs scheduled side by side.
@@ -50,25 +50,11 @@ def shard_rows(wildcards):
     return SHARD_ROWS[int(wildcards.shard)]
 
 
-def shard_conversations(wildcards):
-    """Rule extract's priority: larger shards first, so a run ends on its smallest (shard_taper)."""
-    start, stop = shard_rows(wildcards)
-    return stop - start
-
-
 def model_source(wildcards):
     """A model built by a rule (the demo model, a GGUF conversion) is a DAG input; a checkpoint given by
     model.path alone is read in place (not a DAG input, so dry runs plan without it)."""
     model = config["model"]
     return [model["path"]] if model["build_demo"] or model["from_gguf"] else []
-
-
-def model_input(wildcards):
-    """What an engine job loads: the model, or under load_format sharded_state the per-rank checkpoint
-    that rule sharded_checkpoint writes from it."""
-    if config["engine"]["load_format"] == "sharded_state":
-        return [SHARDED_CHECKPOINT]
-    return model_source(wildcards)
 
 
 def quarantine_records(wildcards):

@@ -25,7 +25,7 @@ rule export_specforge:
     input:
         dataset=rules.pack.output.dataset,
         mapping=rules.vocab.output.mapping,
-        model=model_input,
+        model=model_source,
     output:
         export=directory(f"{RUN_DIR}/export/specforge"),
     log:

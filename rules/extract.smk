@@ -5,7 +5,7 @@ from eagle3data import engine_pool, failed_samples
 rule extract:
     input:
         tokenized=rules.tokenize.output.tokenized,
-        model=model_input,
+        model=model_source,
         quarantined=quarantine_records,
     output:
         manifest=f"{RUN_DIR}/extract/shard-{{shard}}.parquet",
@@ -14,9 +14,6 @@ rule extract:
         f"{RUN_DIR}/logs/extract/shard-{{shard}}.log",
     benchmark:
         f"{RUN_DIR}/benchmarks/extract/shard-{{shard}}.tsv"
-    # Larger shards start first, and queued jobs take the engine largest first (eagle3data.engine_queue):
-    # the run's tail, after the last extract job, is then the smallest shard's (shard_taper).
-    priority: shard_conversations
     conda:
         "../envs/eagle3data.yaml"
     threads: 2

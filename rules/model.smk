@@ -1,8 +1,12 @@
 # Target models built by the workflow itself; a checkpoint given by model.path alone is read in place.
-
+# A builder writes only a directory it built (marked inside): anything else at model.path is refused
+# before any job runs (eagle3data.model_builds), since Snakemake deletes a rule's output to rebuild it.
+from eagle3data.model_builds import check_buildable
 
 # The embedded default: build a tiny random-weight Kimi-shaped model and tokenizer (no download).
 if config["model"]["build_demo"]:
+
+    check_buildable(config["model"]["path"], "demo_model")
 
     rule demo_model:
         input:
@@ -23,6 +27,8 @@ if config["model"]["build_demo"]:
 # safetensors, tokenizer and chat template.
 if config["model"]["from_gguf"]:
 
+    check_buildable(config["model"]["path"], "gguf_model")
+
     rule gguf_model:
         output:
             model=directory(config["model"]["path"]),
@@ -39,30 +45,3 @@ if config["model"]["from_gguf"]:
             "Converting {params.file} from package {params.package} into the target model at {output.model}"
         script:
             "../scripts/gguf_model.py"
-
-
-# engine.load_format sharded_state: the target's weights as each tensor-parallel rank holds them, saved
-# once by an engine loaded the default way (eagle3data.checkpoint); every later engine start reads them.
-if config["engine"]["load_format"] == "sharded_state":
-
-    rule sharded_checkpoint:
-        input:
-            model=model_source,
-        output:
-            checkpoint=directory(SHARDED_CHECKPOINT),
-        log:
-            f"{RUN_DIR}/logs/sharded_checkpoint.log",
-        benchmark:
-            f"{RUN_DIR}/benchmarks/sharded_checkpoint.tsv"
-        conda:
-            "../envs/eagle3data.yaml"
-        threads: 2
-        resources:
-            gpu=GPUS_PER_EXTRACT,
-            mem_mb=EXTRACT_MEM_MB,
-        params:
-            model=config["model"],
-        message:
-            "Writing the per-rank (sharded_state) checkpoint of {params.model[path]} at {output.checkpoint}"
-        script:
-            "../scripts/sharded_checkpoint.py"

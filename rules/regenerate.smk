@@ -2,7 +2,7 @@
 rule regenerate:
     input:
         conversations=config["input"],
-        model=model_input,
+        model=model_source,
     output:
         conversations=f"{RUN_DIR}/regenerated/shard-{{shard}}.jsonl",
         responses=f"{RUN_DIR}/regenerated/shard-{{shard}}.responses.parquet",

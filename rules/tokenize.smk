@@ -2,7 +2,7 @@
 rule tokenize:
     input:
         unpack(tokenize_conversations),
-        model=model_input,
+        model=model_source,
     output:
         tokenized=f"{RUN_DIR}/tokenized/shard-{{shard}}.parquet",
         skipped=f"{RUN_DIR}/tokenized/shard-{{shard}}.skipped.parquet",

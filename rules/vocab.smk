@@ -2,7 +2,7 @@
 rule vocab:
     input:
         dataset=rules.pack.output.dataset,
-        model=model_input,
+        model=model_source,
     output:
         token_freq=f"{RUN_DIR}/token_freq.pt",
         mapping=f"{RUN_DIR}/vocab_mapping.pt",

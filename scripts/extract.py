@@ -18,7 +18,7 @@ if __name__ == "__main__":
     # Read at run time, not passed as params: a growing input, engine or storage settings (which do not
     # change the data) and the test-only hooks must not re-run finished jobs.
     conversations = count_conversations(sm.config["input"])
-    rows = plan(conversations, sm.config["shard_size"], sm.config["shard_taper"])
+    rows = plan(conversations, sm.config["shard_size"])
     shape = InputShape(stop - start, conversations, tuple(rows))
     run(
         ExtractJob(

@@ -54,5 +54,5 @@ def test_quick_benchmark_prints_and_writes_every_figure(tmp_path):
     values = {f["figure"]: f["value"] for f in report["figures"]}
     assert values["10"] == disk["peak_bytes"] / disk["dataset_bytes"]
     assert values["11"] == disk["run_bytes"] / disk["dataset_bytes"]
-    # Figure 9 measured vLLM's default loader and the threaded one (sharded_state needs a GPU).
-    assert set(report["measurements"]["load"]["loaders"]) == {"auto", f"threads={os.cpu_count()}"}
+    # Figure 9 measured vLLM's default loader.
+    assert report["measurements"]["load"]["load_format"] == "auto"

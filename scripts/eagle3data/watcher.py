@@ -1,7 +1,7 @@
 """Each states file checked as soon as vLLM's worker renames it into place (a file that exists is
 whole), on a thread of its own, while the engine computes the next samples.
 
-The extract job hands each batch's samples to the watcher as it sends the batch to the engine: it
+The extract job hands each batch's samples to the watcher and starts the next generate() at once: it
 waits for files and checks only once, for the shard's last few files, instead of after every batch.
 Nothing is fsynced here: on the H200, fsyncs file by file beside vLLM's writes fell behind them (0.74 s
 left to wait for after 25 s of prefill); the extract job syncs the files in bulk instead (store.py).
@@ -75,7 +75,7 @@ class StatesWatcher:
         with self._lock:
             for sample_id, (_, path) in self._pending.items():
                 self._problems[sample_id] = [f"sample {sample_id}: the engine did not write {path} within "
-                                             f"{timeout_s:.0f} s of the shard's last reply"]
+                                             f"{timeout_s:.0f} s of its last generate() returning"]
             self._pending.clear()
             return dict(self._problems)
 

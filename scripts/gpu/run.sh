@@ -9,10 +9,9 @@
 #   bash scripts/gpu/run.sh batches    the same 256 prompts extracted in batches of 256 and of 24, with and
 #                                      without VLLM_BATCH_INVARIANT=1: same bits? (docs/rerun.md)
 #   bash scripts/gpu/run.sh regenerate the regenerate stage against bare generate() (8B shape, dummy weights)
-#   bash scripts/gpu/run.sh load-prepare  a random 8B checkpoint (16 GB of safetensors) and its sharded_state
-#                                      copy; sharded_state on a small MLA model
-#   bash scripts/gpu/run.sh load       figure 9 (after load-prepare): engine start per loader against reading
-#                                      the checkpoint, three runs
+#   bash scripts/gpu/run.sh load-prepare  a random 8B checkpoint (16 GB of safetensors) for figure 9
+#   bash scripts/gpu/run.sh load       figure 9 (after load-prepare): engine start (vLLM's default loader)
+#                                      against reading the checkpoint, three runs
 #   bash scripts/gpu/run.sh kimi bench several steps in one call
 # Needs the wheels in /tmp/wheels (scripts/gpu/collect.sh); results and logs go to $OUT.
 source "$(dirname "$0")/env.sh"
@@ -87,38 +86,23 @@ case "$what" in
       --out "$OUT/regenerate-llama8b.json" > /tmp/regen.log 2>&1
     echo "regenerate bench: exit $?"; grep "regenerate / bare" /tmp/regen.log; cp /tmp/regen.log "$OUT/log-regenerate.txt"
     ;;
-  load-prepare)  # issue 16: a random 8B checkpoint as real safetensors, its sharded_state copy (the rule's
-    # code), and whether sharded_state loads an MLA model (small DeepSeek-V3) on the GPU
-    export VLLM_WORKER_MULTIPROC_METHOD=spawn
+  load-prepare)  # figure 9's checkpoint: a random 8B model as real safetensors files
     step "write a random 8B checkpoint"
     python3 -m eagle3data.shapes llama-8b /tmp/llama-8b-weights --tokenizer-from resources/demo-tokenizer
     timeout 240 python3 -m eagle3data.bench.load --write-checkpoint llama-8b /tmp/llama-8b-weights
     du -sh /tmp/llama-8b-weights; df -h /tmp | tail -1
-    step "write its sharded_state checkpoint"
-    timeout 200 python3 -m eagle3data.bench.load --model /tmp/llama-8b-weights --runs 0 --loaders sharded_state \
-      > /tmp/load-prepare.log 2>&1
-    echo "prepare: exit $?"; tail -n 2 /tmp/load-prepare.log | cut -c1-400; cp /tmp/load-prepare.log "$OUT/log-load-prepare.txt"
-    du -sh /tmp/llama-8b-weights.sharded-tp1
-    step "sharded_state on an MLA model (small DeepSeek-V3)"
-    python3 scripts/gpu/build_small_deepseek.py /tmp/ds-small resources/demo-tokenizer
-    timeout 80 python3 -m eagle3data.bench.load --model /tmp/ds-small --runs 0 --loaders sharded_state > /tmp/load-mla.log 2>&1
-    timeout 150 python3 -m eagle3data.bench.load --model /tmp/ds-small --runs 1 --loaders auto,sharded_state \
-      --json "$OUT/load-ds-small.json" >> /tmp/load-mla.log 2>&1
-    echo "MLA sharded_state: exit $?"; grep "^figure 9" /tmp/load-mla.log; grep -m3 "Error" /tmp/load-mla.log | cut -c1-300
-    cp /tmp/load-mla.log "$OUT/log-load-mla.txt"
     ;;
-  load)  # issue 16, figure 9: engine start per loader - the dummy loader's start, over the cold read (after
-    # load-prepare); LOAD_RUNS runs (3)
+  load)  # figure 9 (after load-prepare): engine start (vLLM's default loader) - the dummy loader's start,
+    # over the cold read of the weights; LOAD_RUNS runs (3)
     export VLLM_WORKER_MULTIPROC_METHOD=spawn
-    step "figure 9, ${LOAD_RUNS:-3} runs, loaders ${LOADERS:-auto,threads=16,sharded_state}"
+    step "figure 9, ${LOAD_RUNS:-3} runs"
     timeout 580 python3 -m eagle3data.bench.load --model /tmp/llama-8b-weights --runs "${LOAD_RUNS:-3}" \
-      --loaders "${LOADERS:-auto,threads=16,sharded_state}" --json "$OUT/load-llama8b.json" > /tmp/load.log 2>&1
-    echo "load bench: exit $?"; grep '^{"loader"\|^figure 9' /tmp/load.log | cut -c1-300; cp /tmp/load.log "$OUT/log-load.txt"
+      --json "$OUT/load-llama8b.json" > /tmp/load.log 2>&1
+    echo "load bench: exit $?"; grep "^figure 9" /tmp/load.log; cp /tmp/load.log "$OUT/log-load.txt"
     ;;
   figures)  # figures 1 and 7 through the benchmark command: 8B Llama shape (dummy weights), TP1; figure 1's
-            # prompts (FIGURE1_PROMPTS, 2048), figure 7's shards (FIGURE7_SHARDS, 8; the last one in halving
-            # pieces, FIGURE7_TAPER, 3) and its extract jobs side by side (JOBS_PER_ENGINE, the taper + 3);
-            # BATCHES_IN_FLIGHT=1 for the engine drained at every batch's end (the default keeps it fed)
+            # prompts (FIGURE1_PROMPTS, 2048), figure 7's shards (FIGURE7_SHARDS, 8) and its extract jobs
+            # side by side (JOBS_PER_ENGINE, 2)
     step figures 1,7
     python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     # The machine each second (CPU busy/idle/iowait, blocks written, dirty memory) for where the tail goes.
@@ -127,18 +111,18 @@ case "$what" in
     vmstat_pid=$!
     timeout 570 python3 -m eagle3data.bench --figures 1,7 --device cuda --model /tmp/llama-8b \
       --captures 2:input,16:input,29:input,31:output --prompts "${FIGURE1_PROMPTS:-2048}" --tokens 512 \
-      --conversations 6144 --shards "${FIGURE7_SHARDS:-8}" --shard-taper "${FIGURE7_TAPER:-3}" \
-      ${JOBS_PER_ENGINE:+--jobs-per-engine "$JOBS_PER_ENGINE"} --transport-dir "${TRANSPORT_DIR:-}" \
+      --conversations 6144 --shards "${FIGURE7_SHARDS:-8}" \
+      --jobs-per-engine "${JOBS_PER_ENGINE:-2}" --transport-dir "${TRANSPORT_DIR:-}" \
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
-      ${BATCHES_IN_FLIGHT:+batches_in_flight=$BATCHES_IN_FLIGHT} --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
+      --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
     echo "benchmark: exit $?"; kill $vmstat_pid; grep -E "^figure|^          " /tmp/figures.log; tail -n 3 /tmp/figures.log
-    # What a tail job's start would cost here without the warm job server: its imports, each module alone
+    # What a tail job's start costs here: its imports, each module alone (a fresh interpreter each)
     for module in eagle3data.validate eagle3data.pack eagle3data.index; do
       python3 -X importtime -c "import $module" 2> "$OUT/importtime-$module.txt"
       echo "$module: $(tail -n 1 "$OUT/importtime-$module.txt" | cut -d'|' -f2) us to import (after the run's)"
     done
     cat /tmp/figures.log /tmp/benchmark/*.log /tmp/benchmark/logs/engine/*.log /tmp/benchmark/e2e/snakemake.log \
-      /tmp/benchmark/e2e/results/bench-e2e/logs/*/*.log /tmp/eagle3data-warm-*/*.log > "$OUT/log-figures.txt" 2>/dev/null
+      /tmp/benchmark/e2e/results/bench-e2e/logs/*/*.log > "$OUT/log-figures.txt" 2>/dev/null
     df -h /tmp | tail -1; rm -rf /tmp/benchmark
     ;;
   deepseek)

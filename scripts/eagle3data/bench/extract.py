@@ -103,9 +103,7 @@ def model_flops(model_dir: str, prompt_lengths: list[int]) -> float:
 
 
 def bare_prefill(args, engine: dict, prompts: dict, captures) -> dict:
-    """The pipeline's engine without capture (same kwargs and prompts), at its best: every prompt in one
-    generate(), which vLLM batches continuously to the end (the pipeline keeps its engine fed across
-    batches and shards, `engine.batches_in_flight`); tokens/s of that call."""
+    """The pipeline's engine without capture: same kwargs, batches and prompts; tokens/s of generate()."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -117,11 +115,14 @@ def bare_prefill(args, engine: dict, prompts: dict, captures) -> dict:
         kwargs = engine_mod.cpu_engine_kwargs(kwargs)
     del kwargs["speculative_config"], kwargs["kv_transfer_config"]
     llm = engine_mod.start_engine(kwargs, engine["cpu_kv_cache_gib"])
-    rows = [TokensPrompt(prompt_token_ids=ids) for ids in prompts.values()]
-    began = time.perf_counter()
-    llm.generate(rows, SamplingParams(max_tokens=1), use_tqdm=False)
-    seconds = time.perf_counter() - began
-    tokens = sum(len(row["prompt_token_ids"]) for row in rows)
+    rows = list(prompts.values())
+    seconds = 0.0
+    for start in range(0, len(rows), engine["batch_samples"]):
+        batch = [TokensPrompt(prompt_token_ids=ids) for ids in rows[start : start + engine["batch_samples"]]]
+        began = time.perf_counter()
+        llm.generate(batch, SamplingParams(max_tokens=1), use_tqdm=False)
+        seconds += time.perf_counter() - began
+    tokens = sum(len(ids) for ids in rows)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
 
 

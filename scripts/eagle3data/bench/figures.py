@@ -45,13 +45,12 @@ class Scale:
     extract_tokens: int
     e2e_conversations: int
     e2e_shards: int
-    e2e_taper: int  # shard_taper: the last shard in halving pieces, so the run's tail is a fraction of one
     load_runs: int
 
 
 SCALES = {
-    "quick": Scale(1_000_000, 1_000, 4, 1, 16, 256, 64, 2, 0, 1),
-    "full": Scale(1_000_000, 5_000, 16, 3, 64, 512, 512, 4, 3, 3),
+    "quick": Scale(1_000_000, 1_000, 4, 1, 16, 256, 64, 2, 1),
+    "full": Scale(1_000_000, 5_000, 16, 3, 64, 512, 512, 4, 3),
 }
 
 
@@ -110,8 +109,8 @@ def extract_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
 
 def describe_timeline(t: dict, bare_seconds: float) -> str:
     """Figure 7's seconds from the engine ready: what bounds it, extraction or the tail after it."""
-    return (f"seconds from the engine ready: bare prefill of these tokens {bare_seconds:.1f}, jobs' batches in the "
-            f"engine {t['engine_held_seconds']:.1f} of the {t['last_generate_end']:.1f} to the last reply, last "
+    return (f"seconds from the engine ready: bare prefill of these tokens {bare_seconds:.1f}, jobs in generate() "
+            f"{t['engine_held_seconds']:.1f} of the {t['last_generate_end']:.1f} to the last generate's end, last "
             f"extract job ends {t['last_extract_end']:.1f}, validate {t['last_validate_end']:.1f}, pack_shard "
             f"{t['last_pack_shard_end']:.1f}, index {t['index_end']:.1f}")
 
@@ -127,15 +126,14 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
     exports = bool({"10", "11"} & set(args.figures.split(",")))
     result = measure_end_to_end(work / "e2e", args.model, scale.e2e_conversations, engine,
                                 parse_capture_arg(args.captures), os.cpu_count(), scale.e2e_shards, exports,
-                                args.jobs_per_engine, args.transport_dir, scale.e2e_taper)
+                                args.jobs_per_engine, args.transport_dir)
     jobs = f", {args.jobs_per_engine} extract jobs side by side" if args.device == "cuda" else ""
     if args.transport_dir:
         jobs += (f", per-sample files on {args.transport_dir} (peak "
                  f"{result['footprint']['transport_peak_bytes'] / 1e9:.1f} GB of memory)")
     figures = [judged(
         "7", "end_to_end", result["tokens_per_second_from_engine_ready"] / bare_tps, ">= 0.85",
-        f"{result['tokens']} tokens of {result['conversations']} conversations in {result['shards']} shards "
-        f"(shard_taper {result['shard_taper']}){jobs} "
+        f"{result['tokens']} tokens of {result['conversations']} conversations in {result['shards']} shards{jobs} "
         f"in {result['seconds_from_engine_ready']:.1f} s from the engine ready to the packed dataset = "
         f"{result['tokens_per_second_from_engine_ready']:.0f} tok/s / bare prefill {bare_tps:.0f} tok/s; "
         f"the whole run {result['seconds']:.1f} s ({result['tokens'] / result['seconds'] / bare_tps:.4f}), "
@@ -209,9 +207,8 @@ def load_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, 
     """Figure 9: (engine start - a dummy-weight start) / the cold read of the weights (bench.load)."""
     from eagle3data.bench.load import describe, measure
 
-    loaders = ["auto", f"threads={os.cpu_count()}"] + (["sharded_state"] if args.device == "cuda" else [])
-    r = measure(args.model, scale.load_runs, loaders)
-    return r, [judged("9", "load", r["figure"], "<= 1.5", describe(r))]
+    r = measure(args.model, scale.load_runs)
+    return r, [judged("9", "load", r["ratios"][0], "<= 1.5", describe(r))]
 
 
 GROUPS = {  # name: (figures it yields, function(args, scale, work, measured so far)), in order
@@ -236,10 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, help="figure 1's tokens per prompt (default: the scale's)")
     parser.add_argument("--conversations", type=int, help="figure 7's conversations (default: the scale's)")
     parser.add_argument("--shards", type=int, help="figure 7's shards (default: the scale's)")
-    parser.add_argument("--shard-taper", type=int, help="figure 7's shard_taper (default: the scale's)")
-    parser.add_argument("--jobs-per-engine", type=int,
-                        help="figure 7 on a GPU: --resources gpu=<this x tensor parallel size> (default: the "
-                             "shard taper + 3: the taper + 1 pieces, tokenized first, queue beside two full shards)")
+    parser.add_argument("--jobs-per-engine", type=int, default=2,
+                        help="figure 7 on a GPU: --resources gpu=<this x tensor parallel size>")
     parser.add_argument("--transport-dir", default="",
                         help="figure 7's storage.transport_dir (a RAM disk: the disk takes each state byte once)")
     parser.add_argument("--work", default="results/benchmark", help="scratch directory (emptied first)")
@@ -248,9 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.figures.split(","))
     scale = SCALES["quick" if args.quick else "full"]
     sizes = {"extract_prompts": args.prompts, "extract_tokens": args.tokens, "e2e_conversations": args.conversations,
-             "e2e_shards": args.shards, "e2e_taper": args.shard_taper}
-    scale = replace(scale, **{k: v for k, v in sizes.items() if v is not None})
-    args.jobs_per_engine = args.jobs_per_engine or scale.e2e_taper + 3
+             "e2e_shards": args.shards}
+    scale = replace(scale, **{k: v for k, v in sizes.items() if v})
     work = Path(args.work).resolve()  # the Snakemake runs below work in directories of their own
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

@@ -151,21 +151,21 @@ def footprint(run: Path) -> dict:
 
 def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict, captures: list[dict],
                        cores: int, shards: int, exports: bool, jobs_per_engine: int = 1,
-                       transport_dir: str = "", shard_taper: int = 0) -> dict:
+                       transport_dir: str = "") -> dict:
     """One whole run (tokenize, extract, validate, pack, report) of demo-like conversations in `shards`
     shards, the model already built: tokens packed per wall second, from the start and from the moment
     the first extract job had its engine ready to the packed dataset, and the engine loads it took (one:
     the node's engine serves every shard). On a GPU `jobs_per_engine` extract jobs run side by side (one
     computes, the others prepare and queue for the engine). `transport_dir`: storage.transport_dir (its
     peak is measured apart: memory, not disk). With `exports`, then both trainer exports, for the
-    footprint after them. `shard_taper`: the config's, the last of those shards split in halving pieces."""
+    footprint after them."""
     work.mkdir(parents=True, exist_ok=True)
     from eagle3data.model_info import read_model_info
 
     info = read_model_info(model)
     config = yaml.safe_load((REPO / "config" / "demo.yaml").read_text())
     config.update(run="bench-e2e", input=str(write_conversations(work / "conversations.jsonl", conversations)),
-                  shard_size=-(-conversations // shards), shard_taper=shard_taper, captures=captures)
+                  shard_size=-(-conversations // shards), captures=captures)
     config["model"].update(path=str(Path(model).resolve()), build_demo=False, hidden_size=info.hidden_size,
                            num_hidden_layers=info.num_hidden_layers)
     config["engine"].update(engine)
@@ -217,15 +217,15 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
             "index_seconds": counts.get("index_seconds"), "engine_turns": turns,
             "tokens_per_second_from_engine_ready": tokens / from_ready, "timeline": timeline,
             "rule_seconds": rules, "cores": cores,
-            "shards": len(extract), "shard_taper": shard_taper, "engine_loads": len(loads), "engine_load_seconds": sum(loads),
+            "shards": len(extract), "engine_loads": len(loads), "engine_load_seconds": sum(loads),
             "footprint": {**disk, "peak_bytes": peak_bytes, "pipeline_peak_bytes": pipeline_peak}}
 
 
 def engine_turns(stats_files: list[Path], extract: list[dict], first_ready: float) -> list[dict]:
     """Each extract job's turn on the engine (its stats file and what it holds), in the order the engine
     served them: its shard, tokens, when it had the engine (seconds from the first job's) and for how long
-    it had batches in the engine, and when its manifest was written: whether the largest shards went first, the
-    engine's rate per shard, and the gaps between turns."""
+    it was in generate(), and when its manifest was written: the engine's rate per shard, and the gaps
+    between turns."""
     turns = []
     for path, stats in zip(stats_files, extract):
         shard = path.name.split(".")[0]
@@ -238,19 +238,14 @@ def engine_turns(stats_files: list[Path], extract: list[dict], first_ready: floa
 
 def run_timeline(run: Path, extract: list[dict], first_ready: float) -> dict:
     """Where figure 7's seconds go, from the engine ready (epoch `first_ready`): when the last job of each
-    stage wrote its output (file times, not the Snakemake log's whole seconds), and how long jobs had
-    batches in the engine, counted once where turns overlap (the rest of the span up to the last reply
-    the engine idled between jobs, or while a job prepared its prompts)."""
+    stage wrote its output (file times, not the Snakemake log's whole seconds), and how long jobs held
+    the engine in generate() (the rest of the span up to the last generate's end the engine idled
+    between jobs, or while a job prepared its prompts)."""
     def last_written(pattern: str) -> float:
         return max(p.stat().st_mtime for p in run.glob(pattern)) - first_ready
 
-    turns = sorted((s["engine_ready_at"], s["engine_ready_at"] + s["generate_seconds"] + s["replies_seconds"])
-                   for s in extract)
-    held, covered = 0.0, turns[0][0]  # the union of the turns: one job's last batches overlap the next's first
-    for start, end in turns:
-        held += max(0.0, end - max(start, covered))
-        covered = max(covered, end)
-    last_generate = covered
+    held = sum(s["generate_seconds"] + s["replies_seconds"] for s in extract)
+    last_generate = max(s["engine_ready_at"] + s["generate_seconds"] + s["replies_seconds"] for s in extract)
     return {"last_extract_end": last_written("extract/shard-*.parquet"),
             "last_validate_end": last_written("validated/shard-*.quarantined.parquet"),
             "last_pack_shard_end": last_written("packed/shard-*.json"),
