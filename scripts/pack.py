@@ -1,6 +1,5 @@
-"""Snakemake script for rule pack: eagle3data.rule_jobs.pack, in a child of the node's warm job
-server (eagle3data.warm_jobs) when one answers."""
+"""Snakemake script for rule pack: see eagle3data.rule_jobs.pack."""
 
-from eagle3data.warm_jobs import run
+from eagle3data.rule_jobs import pack
 
-run("eagle3data.rule_jobs:pack", snakemake)  # noqa: F821
+pack(snakemake)  # noqa: F821

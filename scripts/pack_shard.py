@@ -1,6 +1,5 @@
-"""Snakemake script for rule pack_shard: eagle3data.rule_jobs.pack_shard, in a child of the node's warm job
-server (eagle3data.warm_jobs) when one answers."""
+"""Snakemake script for rule pack_shard: see eagle3data.rule_jobs.pack_shard."""
 
-from eagle3data.warm_jobs import run
+from eagle3data.rule_jobs import pack_shard
 
-run("eagle3data.rule_jobs:pack_shard", snakemake)  # noqa: F821
+pack_shard(snakemake)  # noqa: F821

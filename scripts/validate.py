@@ -1,6 +1,5 @@
-"""Snakemake script for rule validate: eagle3data.rule_jobs.validate, in a child of the node's warm job
-server (eagle3data.warm_jobs) when one answers."""
+"""Snakemake script for rule validate: see eagle3data.rule_jobs.validate."""
 
-from eagle3data.warm_jobs import run
+from eagle3data.rule_jobs import validate
 
-run("eagle3data.rule_jobs:validate", snakemake)  # noqa: F821
+validate(snakemake)  # noqa: F821

@@ -15,9 +15,6 @@ from filelock import FileLock
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 DEMO_CONVERSATIONS = REPO / "data" / "demo" / "conversations.jsonl"
-# Each test's runs get warm job servers of their own (eagle3data.warm_jobs: the environment is in their
-# key, pytest's PYTEST_CURRENT_TEST with it): they must not pile up idle beside the tests that follow.
-os.environ.setdefault("EAGLE3DATA_WARM_IDLE_S", "30")
 
 
 # Under pytest-xdist's two workers (pyproject.toml: `--dist loadfile`, a module's tests in one worker, so

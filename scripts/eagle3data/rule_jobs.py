@@ -1,5 +1,4 @@
-"""The jobs of rules validate, pack_shard and pack, from the `snakemake` object their scripts get: the
-functions that warm_jobs.py's server imports once (with what they import) and runs in a child per job."""
+"""The jobs of rules validate, pack_shard and pack, from the `snakemake` object their scripts get."""
 
 from __future__ import annotations
 

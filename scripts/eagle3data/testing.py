@@ -4,8 +4,7 @@
   it, as if its request had failed, so the per-sample failure path runs on a real engine.
 - `EAGLE3DATA_TEST_KILL_AT=<pattern>[#n]` in the environment: the n-th time (default 1) this process
   reaches a point whose name matches the glob `pattern`, it SIGKILLs its whole process group: started
-  in its own session, that is the whole `snakemake` run, as a node crash or `kill -9` would (a job run
-  by a warm server's child, warm_jobs.py: its job's process group, then its own).
+  in its own session, that is the whole `snakemake` run, as a node crash or `kill -9` would.
 - `EAGLE3DATA_TEST_KILL_ENGINE_AT=<pattern>` in an extract job's environment: the engine server serving
   it (engine_server.py) SIGKILLs itself and vLLM's processes under it, and nothing else, the first time
   it reaches a point of that job matching `pattern`: an engine crash, which must fail only the job it
@@ -28,8 +27,6 @@ import os
 import signal
 import sys
 import time
-
-from eagle3data.warm_jobs import RUN_GROUP_ENV
 
 KILL_ENV = "EAGLE3DATA_TEST_KILL_AT"
 KILL_ENGINE_ENV = "EAGLE3DATA_TEST_KILL_ENGINE_AT"
@@ -65,9 +62,8 @@ def _reached_nth(env: str, name: str) -> str | None:
 def kill_point(name: str) -> None:
     """SIGKILL this process group, or wait to be killed, if the hooks name this point (module doc)."""
     if spec := _reached_nth(KILL_ENV, name):
-        group = int(os.environ.get(RUN_GROUP_ENV) or os.getpgrp())  # a warm server's child: its job's group
-        print(f"{KILL_ENV}={spec}: killing process group {group} at {name}", file=sys.stderr, flush=True)
-        os.killpg(group, signal.SIGKILL)
+        print(f"{KILL_ENV}={spec}: killing process group {os.getpgrp()} at {name}", file=sys.stderr,
+              flush=True)
         os.killpg(os.getpgrp(), signal.SIGKILL)
     if spec := _reached_nth(PAUSE_ENV, name):
         print(f"{PAUSE_ENV}={spec}: {PAUSED} at {name}", file=sys.stderr, flush=True)
