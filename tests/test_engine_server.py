@@ -7,12 +7,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import yaml
-from conftest import REPO
-
 from eagle3data import engine as engine_mod
 from eagle3data import engine_pool
-from eagle3data.layers import parse_captures
+from eagle3data.layers import eagle3_captures, parse_captures
+from eagle3data.model_info import read_model_info
 from eagle3data.settings import engine_config
 from eagle3data.store import sample_path
 from eagle3data.bench.synthetic import random_prompts
@@ -41,8 +39,8 @@ def generated(engine: engine_pool.RemoteEngine, batch: tuple[list, list[str]]) -
 
 
 def test_the_next_job_takes_the_engine_loaded_once_the_last_one_hands_it_back(tiny_deepseek, tmp_path):
-    config = yaml.safe_load((REPO / "config" / "demo.yaml").read_text())
-    captures = parse_captures(config["captures"], config["model"]["num_hidden_layers"])
+    layers = read_model_info(tiny_deepseek).num_hidden_layers
+    captures = parse_captures(eagle3_captures(layers), layers)
     engine = engine_config({"device": "cpu", "keep_alive_s": 60})
     store = tmp_path / "store"
     kwargs = engine_mod.engine_kwargs(str(tiny_deepseek), captures, "bfloat16", 512, engine, False, str(store))
