@@ -19,6 +19,7 @@ include: "rules/pack.smk"
 include: "rules/report.smk"
 include: "rules/vocab.smk"
 include: "rules/export.smk"
+include: "rules/preflight.smk"
 
 
 rule all:

@@ -41,9 +41,9 @@ def check_buildable(path: str | Path, builder: str) -> None:
         return
     if (path / MARKER).is_file():
         return
-    found = "a file" if not path.is_dir() else f"{sum(1 for _ in path.iterdir())} entries, no {MARKER}"
+    found = "is a file" if not path.is_dir() else f"holds {sum(1 for _ in path.iterdir())} entries and no {MARKER}"
     raise ModelPathError(
-        f"model.path: {path} holds {found}: it was not built by this pipeline, and rule {builder} "
-        f"would replace it. Remove model.build_demo / model.from_gguf to use the checkpoint there as it "
-        f"is, or point model.path at a new directory for the built model."
+        f"model.path: {path} {found}: this pipeline did not build it, and rule {builder} would "
+        f"replace it. Remove model.build_demo / model.from_gguf to use the checkpoint there as it is, or "
+        f"point model.path at a new directory for the built model."
     )

