@@ -1,7 +1,8 @@
 # Pack each validated shard into an Arrow file while later shards are extracted; then the dataset as an
 # index over them (hard links, counts reconciled, quarantined included): seconds after the last shard.
 # The packed files live in the store (states/<key>/packed/, eagle3data.packed), outside the declared
-# outputs like the per-sample files: under storage.drop_packed_states they are the only copy.
+# outputs like the per-sample files: under storage.drop_packed_states (the default) they are the only
+# copy. Each job compresses its shard's states with storage.compression.threads threads.
 
 
 rule pack_shard:
@@ -19,6 +20,7 @@ rule pack_shard:
         f"{RUN_DIR}/benchmarks/pack/shard-{{shard}}.tsv"
     conda:
         "../envs/eagle3data.yaml"
+    threads: config["storage"]["compression"]["threads"]
     params:
         dataset=f"{RUN_DIR}/dataset",
         counts=f"{RUN_DIR}/dataset.counts.json",

@@ -1,15 +1,17 @@
 """eagle3data: turn chat datasets into EAGLE-3 training data (target-model hidden states).
 
-The library behind the Snakemake workflow; `open_dataset` reads what the pipeline packs. It is imported
-on first use: the Snakefile imports this package to plan, and torch and `datasets` cost seconds there.
+The library behind the Snakemake workflow; `open_dataset` reads what the pipeline packs, and
+`decode_states` turns a row's `hidden_states` as `datasets.load_from_disk` returns it into the bf16
+tensor (with `read_metadata` of the dataset). They are imported on first use: the Snakefile imports this
+package to plan, and torch and `datasets` cost seconds there.
 """
 
-__all__ = ["open_dataset"]
+__all__ = ["open_dataset", "decode_states", "read_metadata"]
 
 
 def __getattr__(name: str):
-    if name == "open_dataset":
-        from eagle3data.dataset import open_dataset
+    if name in __all__:
+        from eagle3data import dataset
 
-        return open_dataset
+        return getattr(dataset, name)
     raise AttributeError(f"module 'eagle3data' has no attribute {name!r}")

@@ -4,7 +4,9 @@ A dataset copied, moved or merged by hand has lost the pipeline's guarantees; th
 the dataset alone, without reading the hidden states' values: the metadata is present and complete, the
 Arrow schema is the one the metadata implies, the row count equals the packed count recorded at pack
 time (and the counts reconcile), sample ids are unique, and every row is whole (ids, mask and one state
-row per token; a binary mask with a trainable token). `pack` runs it on every dataset before publishing.
+row per token; a binary mask with a trainable token). Compressed states (compression.py) are not
+decompressed: each row's frame header says how many bytes it holds, one token's states per
+`n_captures x hidden_size` values. `pack` runs it on every dataset before publishing.
 Exit status 0 with a one-line summary per dataset, 1 with every failure listed.
 """
 
@@ -21,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from eagle3data import dataset as fmt
+from eagle3data.compression import frame_bytes
 from eagle3data.failures import BoundaryError, Failure, show, summary, validate
 from eagle3data.schemas import PackedRows
 
@@ -41,9 +44,11 @@ def _metadata(path: Path) -> tuple[dict, list[Failure]]:
                             f"{type(exc).__name__}: {exc}", str(meta_file))]
     found = [Failure("-", f"metadata key {key}", "present", "missing", str(meta_file))
              for key in REQUIRED if key not in meta]
-    if meta.get("format_version", fmt.FORMAT_VERSION) != fmt.FORMAT_VERSION:
-        found.append(Failure("-", "metadata format_version", str(fmt.FORMAT_VERSION),
+    if meta.get("format_version", fmt.FORMAT_VERSION) not in fmt.READABLE_VERSIONS:
+        found.append(Failure("-", "metadata format_version", " or ".join(map(str, fmt.READABLE_VERSIONS)),
                              show(meta["format_version"]), str(meta_file)))
+    elif meta.get("format_version", fmt.FORMAT_VERSION) >= 2 and "compression" not in meta:
+        found.append(Failure("-", "metadata key compression", "present", "missing", str(meta_file)))
     return meta, found
 
 
@@ -67,8 +72,16 @@ def _per_row(values: pa.Array, weights: np.ndarray, n: int) -> np.ndarray:
     return np.bincount(parents, weights=weights, minlength=n).astype(np.int64)
 
 
-def packed_rows(table: pa.Table) -> pd.DataFrame:
-    """The PackedRows table of a dataset: lengths and mask counts, computed in Arrow, per row."""
+def _frame_rows(column: pa.ChunkedArray, token_bytes: int) -> np.ndarray:
+    """Per row the tokens its compressed frame holds, from the frame's header (-1: not a frame, or not
+    whole tokens)."""
+    sizes = np.array([frame_bytes(v.as_buffer()) if v.is_valid else -1 for v in column], dtype=np.int64)
+    return np.where((sizes >= 0) & (sizes % token_bytes == 0), sizes // token_bytes, -1)
+
+
+def packed_rows(table: pa.Table, token_bytes: int = 0) -> pd.DataFrame:
+    """The PackedRows table of a dataset: lengths and mask counts, computed in Arrow, per row
+    (`token_bytes`: a token's raw state bytes, for compressed states)."""
     def lengths(name: str) -> np.ndarray:
         return pc.fill_null(pc.list_value_length(table[name]), -1).to_numpy().astype(np.int64)
 
@@ -81,7 +94,8 @@ def packed_rows(table: pa.Table) -> pd.DataFrame:
             "seq_len": table["seq_len"].to_numpy().astype(np.int64),
             "ids_length": lengths("input_ids"),
             "mask_length": lengths("loss_mask"),
-            "state_rows": lengths("hidden_states"),
+            "state_rows": (_frame_rows(table["hidden_states"], token_bytes)
+                           if pa.types.is_large_binary(table["hidden_states"].type) else lengths("hidden_states")),
             "trainable": _per_row(mask, (mask_values == 1).astype(np.int64), n),
             "non_binary_mask": _per_row(mask, ~np.isin(mask_values, (0, 1)), n),
         }
@@ -93,7 +107,7 @@ def check_dataset(path: str | Path) -> str:
     path = Path(path)
     meta, found = _metadata(path)
     if not found:
-        want = fmt.features(len(meta["captures"]), meta["hidden_size"], meta["dtype"])
+        want = fmt.meta_features(meta)
         try:
             table = datasets.load_from_disk(str(path)).data.table
         except Exception as exc:  # no state.json, missing or foreign data files
@@ -106,7 +120,7 @@ def check_dataset(path: str | Path) -> str:
                        for name in dict.fromkeys([*want, *have]) if want.get(name) != have.get(name)]
             found += columns + _counts(meta, table.num_rows, str(path / fmt.METADATA_FILE))
             if not columns:
-                found += validate(PackedRows, packed_rows(table), str(path))[1]
+                found += validate(PackedRows, packed_rows(table, fmt.token_bytes(meta)), str(path))[1]
     if found:
         total = meta.get("counts", {}).get("packed", 0) if meta else 0
         raise DatasetCheckError(summary(f"dataset {path} fails its checks", found, total, [str(path)]))

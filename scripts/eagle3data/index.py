@@ -68,7 +68,7 @@ def index(job: IndexJob) -> dict:
     counts = _reconcile(job.conversations_in, sum(s["split_samples"] for s in summaries),
                         sum(s["packed"] for s in summaries), skipped + [duplicates])
     meta = {**job.metadata, "format_version": fmt.FORMAT_VERSION, "counts": counts}
-    features = fmt.features(len(meta["captures"]), meta["hidden_size"], meta["dtype"])
+    features = fmt.meta_features(meta)
     _write_dataset_files(tmp, n, features, meta)
     write_card(tmp, meta)
     check_dataset(tmp)
@@ -76,6 +76,7 @@ def index(job: IndexJob) -> dict:
     tmp.rename(out)
     nbytes = sum(s["pack_bytes"] for s in summaries)
     counts_doc = {**counts, "pack_seconds": sum(s["pack_seconds"] for s in summaries), "pack_bytes": nbytes,
+                  "states_bytes": sum(s.get("states_bytes", 0) for s in summaries),
                   "index_seconds": time.perf_counter() - began}
     atomic_write_text(job.counts_out, json.dumps(counts_doc, indent=2))
     logger.info("dataset %s: %d samples (%.1f MB) in %d packed shards", out, counts["packed"], nbytes / 1e6, n)

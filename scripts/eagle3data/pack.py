@@ -12,6 +12,11 @@ is refused), the counts (conversations in = packed + skipped, quarantined sample
 conversation that tokenize split into several samples adds each sample after its first to the samples
 in: `split_samples`), and the finished dataset as `check_dataset` sees it. A conversation already packed
 by an earlier shard is recorded as a duplicate (duplicates.py: one table for the run, written after tokenize).
+
+Under `storage.compression` (the default; compression.py) each sample is compressed by the thread that
+read and checked it, and its frame decompressed again and checked against the same checksums before it
+is written: the CRCs validate recorded are those of the raw values, and every stored frame is proven to
+give them back bit for bit.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from datasets.arrow_writer import ArrowWriter
 
 from eagle3data import dataset as fmt
 from eagle3data import disk
+from eagle3data.compression import Compression, decode
 from eagle3data.duplicates import packed_earlier, write_index
 from eagle3data.failures import BoundaryError, Failure, show, summary, validate
 from eagle3data.index import IndexJob, index
@@ -59,6 +65,7 @@ logger = get_logger(__name__)
 BATCH_BYTES = 64 << 20
 # A batch's samples are read and checked this many at a time: from disk one reader waits on each read
 # (2 readers: 1.2 GB/s cold on this machine's disk, 1 reader 0.87), from a RAM disk the CRCs bound it.
+# With compression, as many as the job's threads (each compresses what it read).
 READERS = 2
 
 
@@ -75,6 +82,7 @@ class PackJob:
     metadata: dict
     batch_size: int = 32
     storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
+    threads: int = 1
 
 
 @dataclass
@@ -94,14 +102,16 @@ class ShardPackJob:
     storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
     store_dir: str = ""  # the run's store: under drop_packed_states files restored and dropped (packed.py)
     samples_dir: str = ""  # where those files are (Settings.samples_dir); "": the store
+    threads: int = 1  # the rule's: samples read, checked and compressed at once
 
     def __post_init__(self):
         self.samples_dir = self.samples_dir or self.store_dir
 
 
-def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndarray) -> None:
+def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndarray,
+                     compression: Compression | None = None) -> bytes | None:
     """Read the sample's states into `out`; refused unless every capture's checksum is the one validate
-    recorded."""
+    recorded. With `compression`, the frame to store, refused unless it decompresses to those checksums."""
     path, expected = captures[0].path, [c.checksum for c in captures]
     try:
         load_states(path, out)
@@ -113,6 +123,17 @@ def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndar
         raise BoundaryError(
             f"{failure}\nThe file changed after validate; re-check it: snakemake --forcerun validate"
         )
+    if compression is None:
+        return None
+    frame = compression.encode(out)
+    stored = decode(frame, out.shape[1], out.shape[2], out.dtype, threads=compression.threads)
+    found = [checksum(stored[:, c.slot, :]) for c in captures]
+    if found != expected:  # a fault of the codec or the memory, never of the file
+        failure = Failure(sample_id, "checksums of the compressed states == validated checksums", show(expected),
+                          show(found), path)
+        raise BoundaryError(f"{failure}\nCompression did not give the states back (compression.py); "
+                            "pack again, or set storage.compression.codec: none")
+    return frame
 
 
 def _checked_shard(tok_path: str, states_path: str, quarantined_path: str, manifest_contract,
@@ -148,7 +169,7 @@ def _chunks(rows: list, max_rows: int, max_tokens: int):
 
 
 def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, dup_rows: list,
-                   batch_size: int, meta: dict, readers: ThreadPoolExecutor):
+                   batch_size: int, meta: dict, readers: ThreadPoolExecutor, compression: Compression | None):
     captures = entries_by_sample(manifest)
     rows = []
     for row in tokenized.itertuples(index=False):
@@ -159,20 +180,19 @@ def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, d
         seen.add(row.sample_id)
         rows.append(row)
     storage = STORAGE[meta["dtype"]]
-    token_bytes = len(meta["captures"]) * meta["hidden_size"] * storage.itemsize
-    for chunk in _chunks(rows, batch_size, BATCH_BYTES // token_bytes):
+    for chunk in _chunks(rows, batch_size, BATCH_BYTES // fmt.token_bytes(meta)):
         lengths = [int(r.num_tokens) for r in chunk]
         # The batch's states in one buffer, each sample read straight into its place: nothing to concatenate.
         states = np.empty((sum(lengths), len(meta["captures"]), meta["hidden_size"]), dtype=storage)
         places = [states[end - length : end] for end, length in zip(itertools.accumulate(lengths), lengths)]
-        list(readers.map(_verified_states, [r.sample_id for r in chunk], [captures[r.sample_id] for r in chunk],
-                         places))
+        frames = list(readers.map(_verified_states, [r.sample_id for r in chunk],
+                                  [captures[r.sample_id] for r in chunk], places, [compression] * len(chunk)))
         yield {
             "sample_id": [r.sample_id for r in chunk],
             "input_ids": fmt.list_array([r.input_ids for r in chunk]),
             "loss_mask": fmt.list_array([r.loss_mask for r in chunk]),
             "seq_len": lengths,
-        }, fmt.states_array(states, lengths, meta["dtype"])
+        }, fmt.frames_array(frames) if compression else fmt.states_array(states, lengths, meta["dtype"])
 
 
 def run(job: PackJob) -> dict:
@@ -185,7 +205,8 @@ def run(job: PackJob) -> dict:
     for i, paths in enumerate(zip(job.tokenized, job.skipped, job.states, job.quarantined)):
         summaries.append(str(work / f"shard-{i:05d}.json"))
         pack_shard(ShardPackJob(*paths, duplicates, i, str(work / f"shard-{i:05d}.arrow"), summaries[-1],
-                                job.metadata, job.out_dir, job.counts_out, job.batch_size, job.storage))
+                                job.metadata, job.out_dir, job.counts_out, job.batch_size, job.storage,
+                                threads=job.threads))
     counts = index(IndexJob(summaries, job.skipped, job.quarantined, job.out_dir, job.counts_out,
                             job.conversations_in, job.metadata))
     shutil.rmtree(work)
@@ -196,7 +217,11 @@ def pack_shard(job: ShardPackJob) -> dict:
     """One validated shard into one Arrow file (written under a temporary name, renamed when finished)
     and a summary of what it packed and what it recorded as duplicates."""
     meta = job.metadata
-    features = fmt.features(len(meta["captures"]), meta["hidden_size"], meta["dtype"])
+    features = fmt.meta_features(meta)
+    compression = None
+    if fmt.is_compressed(meta):
+        settings = meta["compression"]
+        compression = Compression(settings["codec"], settings["level"], job.threads)
     _remove_outdated(job.dataset, job.dataset_counts)
     check_room([job.states], job.arrow, job.storage, "the packed shard")
     began = time.perf_counter()
@@ -211,13 +236,14 @@ def pack_shard(job: ShardPackJob) -> dict:
                         len(meta["captures"]), meta["hidden_size"], meta["dtype"])
     skipped = check(SkippedShard, pd.read_parquet(job.skipped), job.skipped)
     split = _split_samples([tokenized, quarantined, skipped])
-    packed, nbytes = 0, 0
-    with atomic_path(job.arrow) as tmp, ThreadPoolExecutor(READERS, "eagle3data-pack-read") as readers:
+    packed, nbytes, raw = 0, 0, 0
+    n_readers = max(READERS, job.threads) if compression else READERS
+    with atomic_path(job.arrow) as tmp, ThreadPoolExecutor(n_readers, "eagle3data-pack-read") as readers:
         writer = ArrowWriter(features=features, path=str(tmp))
         # The next batch's files are read and verified in threads while this batch is written, and the
         # disk writes each batch back while the next is read: the file's fsync at the end finds little to
         # do (it took 1.1 of 4.7 s packing 1.9 GB here, the whole write-back).
-        batches = _shard_batches(tokenized, manifest, seen, dup_rows, job.batch_size, meta, readers)
+        batches = _shard_batches(tokenized, manifest, seen, dup_rows, job.batch_size, meta, readers, compression)
         for columns, states in ahead(batches):
             batch = _record_batch(columns, states, features)
             writer.write_table(batch)
@@ -225,13 +251,16 @@ def pack_shard(job: ShardPackJob) -> dict:
             start_writeback(tmp)
             packed += batch.num_rows
             nbytes += batch.nbytes
+            raw += sum(columns["seq_len"]) * fmt.token_bytes(meta)
             del columns, states, batch  # before the next is read: two batches in memory at most
         writer.finalize()
         writer.close()
     summary = {"arrow": str(job.arrow), "packed": packed, "split_samples": split, "pack_bytes": nbytes,
-               "pack_seconds": time.perf_counter() - began, "duplicates": dup_rows}
+               "states_bytes": raw, "pack_seconds": time.perf_counter() - began, "duplicates": dup_rows}
     atomic_write_text(job.summary, json.dumps(summary, indent=2))
-    logger.info("packed %d samples (%.1f MB) of %s into %s", packed, nbytes / 1e6, job.tokenized, job.arrow)
+    logger.info("packed %d samples (%.1f MB of states%s) of %s into %s", packed, raw / 1e6,
+                f", stored in {nbytes / 1e6:.1f} MB with {meta['compression']['codec']}" if compression else "",
+                job.tokenized, job.arrow)
     if store:
         duplicates = {d["sample_id"] for d in dup_rows}  # packed by an earlier shard, maybe not yet
         validated = manifest[manifest["sample_id"].isin(duplicates)].sort_values("slot")

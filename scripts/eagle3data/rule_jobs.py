@@ -59,6 +59,7 @@ def pack_shard(sm) -> None:
             storage=dict(sm.config["storage"]),
             store_dir=str(settings.store_dir),
             samples_dir=str(settings.samples_dir),
+            threads=sm.threads,
         )
     )
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
+from eagle3data.compression import Compression
 from eagle3data.config_check import ConfigError  # noqa: F401 (defined once, there; importable from here)
 from eagle3data.layers import capture_metadata, eagle3_captures, parse_captures
 from eagle3data.model_info import ModelInfo, check_expectations, read_model_info
@@ -81,6 +82,7 @@ class Settings:
     def dataset_metadata(self) -> dict:
         """What pack writes into the dataset, including the trainer settings that match the captures."""
         model_cfg = self.config["model"]
+        compression = Compression.from_config(self.config["storage"])
         meta = {
             "model": {
                 "path": model_cfg["path"],
@@ -90,7 +92,11 @@ class Settings:
             },
             "hidden_size": self.model.hidden_size,
             "dtype": self.dtype,
-            "storage": "hidden_states holds raw bf16 bit patterns as uint16; view as bfloat16",
+            "storage": ("hidden_states holds each row's states as one Blosc2 frame (see compression; "
+                        "eagle3data.decode_states); decompressed, raw bf16 bit patterns as uint16"
+                        if compression.enabled else
+                        "hidden_states holds raw bf16 bit patterns as uint16; view as bfloat16"),
+            "compression": compression.metadata(),
             "captures": capture_metadata(self.captures, self.model.num_hidden_layers),
             "sequence": dict(self.config["sequence"]),
             "versions": _versions(),

@@ -1,0 +1,130 @@
+"""Lossless compression of the packed states (`storage.compression`): Blosc2, byte shuffle + zstd.
+
+A bf16 state's two bytes differ: the high one (sign and most of the exponent) repeats from value to
+value and compresses to ~0.4 of itself, the low one (mantissa) hardly at all. Blosc2's byte-shuffle
+filter puts each byte position of a block's values together before zstd (level 1) compresses it, which
+stores real SmolLM2-135M-Instruct states at ~0.71 of their raw bytes, bit for bit (plain zstd ~0.81, LZ4
+with the shuffle ~0.9; docs/benchmarks.md, figure 6). The library does all of it: no byte of the format
+is this project's own.
+
+One row of the packed dataset holds its `[L, n_captures, H]` states, C order, in their storage dtype
+(bf16 as its 16-bit patterns), as one Blosc2 contiguous frame (a super-chunk's `to_cframe()`): chunks of
+at most CHUNK_BYTES (a frame of any size), blocks of BLOCK_BYTES compressed independently (in parallel
+by Blosc2's threads). The frame describes itself (codec, filter, sizes), so `decode` needs only the
+shape's last two dimensions; the dataset's metadata names the codec and its settings (`metadata`), and
+a dataset without the key (written before compression, or with `codec: none`) holds raw values.
+
+The per-sample store files stay raw: the engine's writer threads write them at the GPU's pace (tens of
+GB/s into the page cache on the H200) and compressing there would cost ~0.3 GB/s a thread; under
+`storage.drop_packed_states` (the default) they live only until their shard is packed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+LIBRARY = "blosc2"
+CODECS = ("zstd", "lz4", "none")
+FILTER = "shuffle"  # Blosc2's byte shuffle: each byte position of a block's values together
+BLOCK_BYTES = 1 << 20  # measured on real SmolLM2 states: 1 MiB 0.713, Blosc2's automatic size 0.721
+CHUNK_BYTES = 1 << 28  # Blosc2's chunks hold < 2 GiB; a 128k-token Kimi sample (7 GB) takes 27 of these
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Compression:
+    """How pack stores each row's states: `codec` none (raw values, the format before compression),
+    zstd or lz4 at `level`, with Blosc2's byte shuffle; `threads` Blosc2 threads a row."""
+
+    codec: str = "zstd"
+    level: int = 1
+    threads: int = 1
+
+    def __post_init__(self):
+        if self.codec not in CODECS:
+            raise ValueError(f"storage.compression.codec: expected one of {CODECS}, found {self.codec!r}")
+
+    @classmethod
+    def from_config(cls, storage: dict, threads: int = 1) -> Compression:
+        """From the `storage` section (its `compression` block; absent: the defaults)."""
+        block = storage.get("compression") or {}
+        return cls(block.get("codec", cls.codec), block.get("level", cls.level), threads)
+
+    @property
+    def enabled(self) -> bool:
+        return self.codec != "none"
+
+    def metadata(self) -> dict:
+        """What the dataset's metadata says about its stored states (the threads are not a property of
+        the bytes, so not stated)."""
+        if not self.enabled:
+            return {"codec": "none"}
+        import blosc2
+
+        return {"library": LIBRARY, "version": blosc2.__version__, "container": "Blosc2 contiguous frame (cframe) "
+                "per row: the row's [seq_len, n_captures, hidden_size] states, C order, storage dtype",
+                "codec": self.codec, "level": self.level, "filter": FILTER, "block_bytes": BLOCK_BYTES,
+                "chunk_bytes": CHUNK_BYTES}
+
+    def encode(self, states: np.ndarray) -> bytes:
+        """One row's states (C-contiguous, their storage dtype) as a Blosc2 frame."""
+        import blosc2
+
+        if not states.flags.c_contiguous:
+            raise ValueError("encode: expected C-contiguous states")
+        cparams = blosc2.CParams(
+            codec=blosc2.Codec.ZSTD if self.codec == "zstd" else blosc2.Codec.LZ4, clevel=self.level,
+            typesize=states.itemsize, nthreads=self.threads, blocksize=BLOCK_BYTES,
+            filters=[blosc2.Filter.NOFILTER] * 5 + [blosc2.Filter.SHUFFLE],
+        )
+        chunk = max(min(states.nbytes, CHUNK_BYTES), states.itemsize)
+        return blosc2.SChunk(chunksize=chunk, data=states.reshape(-1).view(np.uint8), cparams=cparams).to_cframe()
+
+
+class FrameError(ValueError):
+    """Stored states that are not a whole Blosc2 frame of the expected shape."""
+
+
+def frame_bytes(frame) -> int:
+    """The uncompressed bytes a frame holds, from its header alone (~20 µs); -1 if it is not a frame."""
+    import blosc2
+
+    try:
+        return int(blosc2.schunk_from_cframe(frame, copy=False).nbytes)
+    except Exception:  # noqa: BLE001 (Blosc2 raises several kinds for bytes that are no frame)
+        return -1
+
+
+STORAGE_BY_SIZE = {2: np.dtype(np.uint16), 4: np.dtype(np.float32)}  # dataset.STORAGE_DTYPES by value size
+
+
+def decode(frame, n_captures: int, hidden_size: int, dtype: np.dtype | None = None,
+           threads: int | None = None) -> np.ndarray:
+    """A row's states `[L, n_captures, hidden_size]` from its frame (any bytes-like object: an Arrow
+    buffer is read in place), in new memory of `dtype` (default: the storage dtype of the frame's value
+    size); `threads` Blosc2 threads (default: Blosc2's, the cores)."""
+    import blosc2
+
+    try:
+        chunked = blosc2.schunk_from_cframe(frame, copy=False)
+    except Exception as exc:  # noqa: BLE001
+        raise FrameError(f"stored states are not a Blosc2 frame: {type(exc).__name__}: {exc}") from exc
+    dtype = np.dtype(dtype) if dtype is not None else STORAGE_BY_SIZE.get(chunked.typesize, np.dtype(np.uint8))
+    row = n_captures * hidden_size * dtype.itemsize
+    if chunked.typesize != dtype.itemsize or chunked.nbytes % row:
+        raise FrameError(f"a frame of {chunked.nbytes} bytes of {chunked.typesize}-byte values is no "
+                         f"[L, {n_captures}, {hidden_size}] {dtype}")
+    out = np.empty((chunked.nbytes // row, n_captures, hidden_size), dtype=dtype)
+    chunked.dparams = blosc2.DParams(nthreads=threads or blosc2.nthreads)
+    if out.size:
+        chunked.get_slice(0, None, out=out.reshape(-1).view(np.uint8))
+    return out
