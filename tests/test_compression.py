@@ -1,0 +1,185 @@
+"""storage.compression: the packed states stored losslessly compressed, and every reader transparent.
+
+The same store files (the connector's tensors and facts, written as the benchmark writes them) are
+validated once and packed twice, compressed (the default) and raw (`codec: none`): every reader then
+returns the same tensors from both, bit for bit: `open_dataset`, `datasets.load_from_disk` with
+`decode_states`, speculators' and SpecForge's reader backends, and a dropped store file restored from the
+packed shard. A dataset of the format before compression (format 1) still loads, and check_dataset
+refuses a frame that is not whole. Real SmolLM2 states: tests/test_real_model.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from conftest import demo_config, with_defaults
+from safetensors.torch import load_file
+
+from eagle3data import decode_states, open_dataset, read_metadata
+from eagle3data.bench.io import write_shards
+from eagle3data.check_dataset import DatasetCheckError, check_dataset
+from eagle3data.compression import Compression, FrameError, decode, frame_bytes
+from eagle3data.pack import PackJob, run as pack
+from eagle3data.packed import restore_missing
+from eagle3data.settings import Settings
+from eagle3data.store import sample_path
+from eagle3data.validate import ValidateJob, run as validate
+
+SAMPLES, TOKENS = 6, 96
+
+
+def bf16_patterns(*shape: int, seed: int = 0) -> np.ndarray:
+    values = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    return values.view(torch.int16).numpy().view(np.uint16)
+
+
+def test_a_frame_gives_back_every_value_in_any_size_and_dtype(monkeypatch):
+    states = bf16_patterns(300, 4, 576)
+    frame = Compression(threads=2).encode(states)
+    assert len(frame) < 0.8 * states.nbytes and frame_bytes(frame) == states.nbytes
+    assert np.array_equal(decode(frame, 4, 576), states)
+    assert decode(Compression().encode(states[:0]), 4, 576).shape == (0, 4, 576)
+    single = np.random.default_rng(0).standard_normal((50, 4, 64)).astype(np.float32)
+    assert np.array_equal(decode(Compression("lz4").encode(single), 4, 64), single)
+    monkeypatch.setattr("eagle3data.compression.CHUNK_BYTES", 100_000)  # a frame of several chunks
+    frame = Compression().encode(states)
+    assert np.array_equal(decode(frame, 4, 576), states)
+    with pytest.raises(FrameError, match="is no \\[L, 4, 896\\] uint16"):
+        decode(frame, 4, 896)
+    with pytest.raises(FrameError, match="not a Blosc2 frame"):
+        decode(b"\0" * 64, 4, 576)
+    assert frame_bytes(b"\0" * 64) == -1
+
+
+@pytest.fixture(scope="module")
+def packed(tiny_deepseek, tmp_path_factory) -> dict[str, Path]:
+    """The same validated synthetic shard packed compressed and raw: {codec: work directory}."""
+    work = tmp_path_factory.mktemp("compression")
+    settings = {}
+    for codec in ("zstd", "none"):
+        config = demo_config(model={"path": str(tiny_deepseek), "build_demo": False},
+                             storage={"compression": {"codec": codec, "level": 1, "threads": 2}})
+        settings[codec] = Settings(with_defaults(config))
+    shard = write_shards(settings["zstd"], work, 1, SAMPLES, TOKENS)[0]
+    expected = settings["zstd"].expected
+    validate(ValidateJob(shard.tokenized, shard.extract_manifest, shard.states, shard.quarantined,
+                         str(work / "quarantine"), expected, settings["zstd"].model.vocab_size,
+                         {"max_seq_len": 512, "min_seq_len": 8}))
+    for codec, s in settings.items():
+        out = work / codec / "dataset"
+        pack(PackJob([shard.tokenized], [shard.skipped], [shard.states], [shard.quarantined], str(out),
+                     str(out) + ".counts.json", SAMPLES, s.dataset_metadata(), threads=2))
+    return {codec: work / codec for codec in settings} | {"store": work / "store", "model": tiny_deepseek}
+
+
+def test_the_metadata_names_the_codec_and_the_bytes_are_fewer(packed):
+    zstd, raw = read_metadata(packed["zstd"] / "dataset"), read_metadata(packed["none"] / "dataset")
+    assert zstd["format_version"] == raw["format_version"] == 2
+    assert {k: zstd["compression"][k] for k in ("library", "codec", "level", "filter")} == {
+        "library": "blosc2", "codec": "zstd", "level": 1, "filter": "shuffle"}
+    assert raw["compression"] == {"codec": "none"}
+    hf = datasets.load_from_disk(str(packed["zstd"] / "dataset"))
+    assert hf.features["hidden_states"] == datasets.Value("large_binary")
+
+    def data_bytes(codec: str) -> int:
+        return sum(p.stat().st_size for p in (packed[codec] / "dataset").glob("*.arrow"))
+
+    assert data_bytes("zstd") < 0.8 * data_bytes("none")  # random normal bf16: ~0.68
+    counts = json.loads((packed["zstd"] / "dataset.counts.json").read_text())
+    assert counts["states_bytes"] == SAMPLES * TOKENS * 4 * 128 * 2 > counts["pack_bytes"]
+    for codec in ("zstd", "none"):
+        assert "OK, 6 samples, 4 captures x 128 bfloat16" in check_dataset(packed[codec] / "dataset")
+
+
+def test_every_reader_returns_the_same_tensors_with_and_without_compression(packed):
+    """open_dataset, load_from_disk + decode_states, and both bit for bit equal to the store's files."""
+    rows = {codec: list(open_dataset(packed[codec] / "dataset")) for codec in ("zstd", "none")}
+    assert [r["sample_id"] for r in rows["zstd"]] == [r["sample_id"] for r in rows["none"]]
+    for codec in ("zstd", "none"):
+        hf = datasets.load_from_disk(str(packed[codec] / "dataset"))
+        meta = read_metadata(packed[codec] / "dataset")
+        for i, (row, other) in enumerate(zip(rows[codec], rows["none" if codec == "zstd" else "zstd"])):
+            stored = load_file(str(sample_path(packed["store"], row["sample_id"])))["hidden_states"]
+            assert row["hidden_states"].dtype == torch.bfloat16 and row["hidden_states"].shape == (TOKENS, 4, 128)
+            for tensor in (row["hidden_states"], other["hidden_states"], decode_states(hf[i]["hidden_states"], meta)):
+                assert torch.equal(tensor.view(torch.int16), stored.view(torch.int16))
+            assert torch.equal(row["input_ids"], other["input_ids"]) and torch.equal(row["loss_mask"], other["loss_mask"])
+        arrow = hf.with_format("arrow")[0:1]["hidden_states"][0]  # zero-copy Arrow scalar
+        assert torch.equal(decode_states(arrow, meta), rows[codec][0]["hidden_states"])
+
+
+def test_the_trainers_readers_return_the_same_tensors_with_and_without_compression(packed):
+    from eagle3data.export_specforge import export as export_specforge
+    from eagle3data.export_speculators import export as export_speculators
+    from eagle3data.specforge_reader import PackedFeatures
+    from eagle3data.speculators_reader import PackedStatesTransfer
+    from eagle3data.vocab import write_vocab
+
+    found = {}
+    for codec in ("zstd", "none"):
+        d = packed[codec]
+        if not (d / "speculators").exists():
+            write_vocab(d / "dataset", packed["model"], 64, d / "token_freq.pt", d / "vocab_mapping.pt")
+            export_speculators(d / "dataset", d / "speculators", d / "token_freq.pt", d / "vocab_mapping.pt",
+                               states="reader")
+            export_specforge(d / "dataset", d / "specforge", packed["model"], d / "vocab_mapping.pt", states="reader")
+        speculators, specforge = PackedStatesTransfer(d / "speculators"), PackedFeatures(d / "specforge")
+        found[codec] = [(speculators.get_cached(i), specforge(i)) for i in range(SAMPLES)]
+    for (a_spec, a_forge), (b_spec, b_forge) in zip(found["zstd"], found["none"]):
+        for a, b in [*zip(a_spec.values(), b_spec.values()), *zip(a_forge.values(), b_forge.values())]:
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                                                      b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+        assert a_spec["hidden_states"].shape == (TOKENS, 4, 128)
+
+
+def test_a_dropped_store_file_comes_back_from_the_compressed_shard_bit_for_bit(packed, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(packed["zstd"] / "dataset", store / "packed")
+    (store / "packed" / "data-00000-of-00001.arrow").rename(store / "packed" / "shard-00000.arrow")
+    ids = [r["sample_id"] for r in open_dataset(packed["zstd"] / "dataset")]
+    assert restore_missing(store, store, ids, 4, 128, "bfloat16") == ids
+    for sid in ids:
+        restored, original = (load_file(str(sample_path(d, sid))) for d in (store, packed["store"]))
+        assert torch.equal(restored["hidden_states"].view(torch.int16), original["hidden_states"].view(torch.int16))
+        assert torch.equal(restored["token_ids"], original["token_ids"])
+
+
+def test_a_dataset_written_before_compression_still_loads(packed, tmp_path):
+    """Format 1, as every dataset before compression: raw uint16 lists, no `compression` in the metadata."""
+    old = tmp_path / "dataset"
+    shutil.copytree(packed["none"] / "dataset", old)
+    meta = read_metadata(old)
+    del meta["compression"]
+    meta["format_version"] = 1
+    (old / "eagle3_metadata.json").write_text(json.dumps(meta))
+    assert "OK, 6 samples" in check_dataset(old)
+    for row, new in zip(open_dataset(old), open_dataset(packed["zstd"] / "dataset")):
+        assert torch.equal(row["hidden_states"].view(torch.int16), new["hidden_states"].view(torch.int16))
+    assert torch.equal(decode_states(datasets.load_from_disk(str(old))[0]["hidden_states"], meta),
+                       open_dataset(old)[0]["hidden_states"])
+
+
+def test_check_dataset_refuses_a_frame_that_is_not_whole(packed, tmp_path):
+    dataset = tmp_path / "dataset"
+    shutil.copytree(packed["zstd"] / "dataset", dataset)
+    path = dataset / "data-00000-of-00001.arrow"
+    table = pa.ipc.open_stream(path.read_bytes()).read_all()
+    frames = table["hidden_states"].to_pylist()
+    frames[1] = frames[1][: len(frames[1]) // 2]  # cut short
+    frames[2] = Compression().encode(bf16_patterns(TOKENS - 1, 4, 128))  # a token short
+    table = table.set_column(table.schema.get_field_index("hidden_states"), table.schema.field("hidden_states"),
+                             pa.array(frames, pa.large_binary()))
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    with pytest.raises(DatasetCheckError) as refused:
+        check_dataset(dataset)
+    ids = table["sample_id"].to_pylist()
+    assert f"sample {ids[1]} | check state_rows == seq_len | expected {TOKENS} | found -1" in str(refused.value)
+    assert f"sample {ids[2]} | check state_rows == seq_len | expected {TOKENS} | found {TOKENS - 1}" in str(refused.value)
