@@ -17,6 +17,22 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 DEMO_CONVERSATIONS = REPO / "data" / "demo" / "conversations.jsonl"
 
 
+# Two sets. The README's test command runs the fast one: the demo run and every test reading it, the
+# validation and corruption checks, one run through the SLURM profile as it is by default, the real model's
+# run, states against transformers. Tests marked `slow` run only with --full (CI, .ci/run): figure 8 and
+# the benchmark at their quick sizes, every other SLURM variant, the kill/resume and re-run variants, the
+# trainers' training runs, the other engine-level comparisons. `-m` chooses by itself when given.
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true",
+                     help="also run the tests marked slow (CI's full set; without it they are deselected)")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if config.getoption("--full") or config.option.markexpr:
+        return "eagle3-datagen: the tests -m or --full chose"
+    return "eagle3-datagen: the fast set (tests marked slow deselected; --full runs them too, as CI does)"
+
+
 # Under pytest-xdist's two workers (pyproject.toml: `--dist loadfile`, a module's tests in one worker, so
 # its module fixtures are built once), the longest modules are handed out first, so that the two workers
 # finish together (measured: figure 8's test first, the suite took 35:26 instead of 39:40 on an AVX2-only
@@ -25,9 +41,15 @@ LONGEST_FIRST = ("test_acceptance", "test_incremental", "test_slurm_pipeline", "
                  "test_regenerate", "test_corruption_catalogue", "test_validation", "test_real_model")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(rank)))
+    if config.getoption("--full") or config.option.markexpr:
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 def demo_config(**overrides) -> dict:

@@ -94,7 +94,6 @@ def assert_matches(model_dir, prompts, got, captures):
         assert torch.allclose(model.model.norm(got[next(iter(prompts))][:, -1].float()), final, atol=1e-4)
 
 
-@pytest.mark.slow
 def test_deepseek_v3_states_equal_transformers_batched_and_shared_prefix(tiny_deepseek, tmp_path):
     rng = random.Random(0)
     vocab = 500

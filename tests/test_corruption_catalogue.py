@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 from conftest import run_snakemake
 from corruption import RUN, ONLY_MTIME, assert_refused, failure_line, packed_ids, rerun, samples, table
-
-pytestmark = pytest.mark.slow
 
 SHAPE = "shape == [len(input_ids), 4, 128]"
 TENSORS = "tensors == ['hidden_states', 'token_ids']"

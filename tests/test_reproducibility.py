@@ -86,7 +86,6 @@ def pipeline_states(tiny_deepseek, tmp_path_factory) -> dict[str, list[torch.Ten
     return run_engine(tiny_deepseek, tmp_path_factory.mktemp("pipeline") / "states", "pipeline", {})
 
 
-@pytest.mark.slow
 def test_states_do_not_depend_on_batching_through_the_pipelines_engine(pipeline_states):
     for name in ("together", "reversed"):
         for i, (found, alone) in enumerate(zip(pipeline_states[name], pipeline_states["alone"])):

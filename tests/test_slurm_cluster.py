@@ -47,6 +47,7 @@ def test_sbatch_gets_eight_gpus(slurm, tmp_path):
     assert seen_id == job_id
 
 
+@pytest.mark.slow
 def test_snakemake_profile_submits_through_sbatch(slurm, tmp_path):
     wf = tmp_path / "wf"
     wf.mkdir()

@@ -31,8 +31,6 @@ from eagle3data.testing import PAUSE_ENV, PAUSED
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with any pytest import mode
 from slurm_cluster import local_slurm, skip_allowed, unavailable_reason, wait_job  # noqa: E402
 
-pytestmark = pytest.mark.slow
-
 RUN = "results/demo"
 GPUS = 8
 CANCELLED_SHARD = "00000"
@@ -154,12 +152,14 @@ def test_one_engine_per_allocation_by_default(grouped_run):
     assert sorted(s["engine_shards_served"] for s in every) == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_one_engine_per_allocation_with_a_shard_per_job(slurm_runs):
     per_shard = [json.loads(text) for text, _ in slurm_runs.stats_after_first.values()]
     assert per_shard and all(s["engine_loaded_here"] for s in per_shard)
     assert len({s["engine_id"] for s in per_shard}) == len(per_shard)
 
 
+@pytest.mark.slow
 def test_every_job_went_through_sbatch(slurm_runs):
     for log in (slurm_runs.first, slurm_runs.second):
         submitted = {s.job: s.slurm_id for s in submissions(log)}
@@ -173,6 +173,7 @@ def test_every_job_went_through_sbatch(slurm_runs):
     assert not first_ids & {s.slurm_id for s in submissions(slurm_runs.second)}
 
 
+@pytest.mark.slow
 def test_extract_jobs_of_all_shards_are_queued_at_once(slurm_runs):
     """Extraction scales out: `gpu` is a per-node resource (rules/common.smk), so the local profile's
     --resources gpu=8 does not hold back submissions of 8-GPU jobs; SLURM queues them."""
@@ -182,6 +183,7 @@ def test_extract_jobs_of_all_shards_are_queued_at_once(slurm_runs):
     assert len(queued) == 3, log[-4000:]
 
 
+@pytest.mark.slow
 def test_each_extract_job_received_its_gpus(slurm_runs):
     extract_ids = {s.slurm_id for log in (slurm_runs.first, slurm_runs.second)
                    for s in submissions(log) if s.rule == "extract"}
@@ -193,6 +195,7 @@ def test_each_extract_job_received_its_gpus(slurm_runs):
         assert sorted(gpus.split(",")) == sorted(str(i) for i in range(GPUS)), path
 
 
+@pytest.mark.slow
 def test_cancelled_job_reruns_from_the_store(slurm_runs):
     assert slurm_runs.killed_state == "CANCELLED"
     shard = slurm_runs.killed_shard
@@ -210,6 +213,7 @@ def test_cancelled_job_reruns_from_the_store(slurm_runs):
         assert counts["reused"] + counts["computed"] == counts["samples"]
 
 
+@pytest.mark.slow
 def test_dataset_equals_the_local_run(slurm_runs, demo_run):
     problems = dataset_differences(slurm_runs.workdir / RUN / "dataset", demo_run / RUN / "dataset")
     assert not problems, "\n".join(problems)

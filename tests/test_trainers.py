@@ -27,8 +27,6 @@ from eagle3data.bench import muon_cpu
 from eagle3data.store import sample_path
 from eagle3data.trainers import SPECULATORS, ExportRefused, layout
 
-pytestmark = pytest.mark.slow
-
 RUN = "results/demo"
 MODEL = "resources/demo-model"
 BOTH = {"speculators": {"enabled": True}, "specforge": {"enabled": True}}
@@ -95,6 +93,7 @@ def test_the_speculators_export_links_the_stores_files_instead_of_copying_them(e
         assert linked.stat().st_ino == stored.stat().st_ino and linked.stat().st_nlink == 2, (linked, stored)
 
 
+@pytest.mark.slow
 def test_speculators_trains_on_its_export_on_cpu(exported, tmp_path):
     run, _ = exported
     data = run / RUN / "export" / "speculators"
@@ -121,6 +120,7 @@ def test_speculators_trains_on_its_export_on_cpu(exported, tmp_path):
     assert ("Muon's Newton-Schulz in float32" in output) != muon_cpu.bf16_matmul_is_native(), output[-3000:]
 
 
+@pytest.mark.slow
 def test_specforge_trains_on_its_export_on_cpu(exported, tmp_path):
     """SpecForge 0.2's own trainer, on CPU through eagle3data.bench.specforge_train (DDP, its loss in eager
     torch), trains a draft from the export with validation loss falling, and `specforge export --to sglang`

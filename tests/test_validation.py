@@ -26,7 +26,6 @@ from eagle3data.layers import parse_captures
 from eagle3data.settings import Settings
 from eagle3data.states import Expected, file_facts, judge_files
 
-pytestmark = pytest.mark.slow
 
 CAPTURES = ["layer2_input", "layer4_input", "layer5_input", "layer7_output"]
 
