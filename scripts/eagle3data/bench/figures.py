@@ -30,7 +30,7 @@ from eagle3data.bench.crosscheck import parse_capture_arg, parse_engine_args
 DEMO_MODEL = "resources/demo-model"
 DEMO_CAPTURES = "2:input,4:input,5:input,7:output"
 NAMES = {"1": "extract", "7": "end_to_end", "2": "validate", "3": "pack", "3m": "pack_memory",
-         "4": "tokenize", "5": "planning", "6": "storage", "9": "load", "10": "footprint_peak",
+         "4": "tokenize", "5": "planning", "6": "storage", "12": "reader", "9": "load", "10": "footprint_peak",
          "11": "footprint_after"}  # the issues' order; 3m is pack's memory
 ORDER = tuple(NAMES)
 
@@ -46,11 +46,13 @@ class Scale:
     e2e_conversations: int
     e2e_shards: int
     load_runs: int
+    storage_conversations: int  # figure 6's real SmolLM2 run (figure 8's training conversations)
+    reader_repeats: int
 
 
 SCALES = {
-    "quick": Scale(1_000_000, 1_000, 4, 1, 16, 256, 64, 2, 1),
-    "full": Scale(1_000_000, 5_000, 16, 3, 64, 512, 512, 4, 3),
+    "quick": Scale(1_000_000, 1_000, 4, 1, 16, 256, 64, 2, 1, 64, 1),
+    "full": Scale(1_000_000, 5_000, 16, 3, 64, 512, 512, 4, 3, 192, 3),
 }
 
 
@@ -142,7 +144,7 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
     if not exports:
         return result, figures
     disk = result["footprint"]
-    gb = {k: f"{v / 1e9:.3f} GB" for k, v in disk.items()}
+    gb = {k: f"{v / 1e9:.3f} GB" for k, v in disk.items() if isinstance(v, (int, float))}
     where = (f"dataset {gb['dataset_bytes']}, per-sample store beyond it {gb['store_bytes']} "
              f"(storage.drop_packed_states), exports' own bytes {gb['exports_own_bytes']} (both with "
              f"states: reader)")
@@ -157,7 +159,8 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
 
 
 def io_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
-    """Figures 2, 3 and 6 on Kimi-sized synthetic samples (eagle3data.bench.io)."""
+    """Figures 2, 3 and 3m on Kimi-sized synthetic samples (eagle3data.bench.io); their storage ratio
+    goes into figure 6's line."""
     from eagle3data.bench.io import measure
 
     r = measure(work / "io", 1, scale.io_samples_per_shard, 512, scale.io_repeats)
@@ -172,15 +175,42 @@ def io_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, li
                f"{r['validate_measuring_bytes_per_second'] / r['read_bytes_per_second']:.2f} (from page cache: "
                f"{warm['validate_measuring_bytes_per_second']} / {warm['read_bytes_per_second']})"),
         judged("3", "pack", r["pack_bytes_per_second"] / r["cp_durable_bytes_per_second"], ">= 0.5",
-               f"pack {gbs['pack_bytes_per_second']} / cp {gbs['cp_durable_bytes_per_second']} of the same "
-               f"{shape['bytes'] / 1e9:.2f} GB, both made durable (cp then sync; cp alone "
-               f"{gbs['cp_bytes_per_second']}, its copies left in the page cache)"),
+               f"pack {gbs['pack_bytes_per_second']} ({r['compression']}, {r['pack_threads']} threads) / cp "
+               f"{gbs['cp_durable_bytes_per_second']} of the same {shape['bytes'] / 1e9:.2f} GB, both made "
+               f"durable (cp then sync; cp alone {gbs['cp_bytes_per_second']}, its copies left in the page "
+               f"cache); pack without compression {gbs['pack_raw_bytes_per_second']} = "
+               f"{r['pack_raw_bytes_per_second'] / r['cp_durable_bytes_per_second']:.3f}"),
         judged("3m", "pack_memory", rss["4x"] / rss["1x"], "<= 1.3",
                f"peak RSS packing {shape['files']} samples in one shard {rss['4x']:.0f} MiB / the "
                f"{shape['files'] // 4} of {shape['shards_1x']} shard {rss['1x']:.0f} MiB (imports alone {rss['before_pack']:.0f} MiB)"),
-        judged("6", "storage", r["dataset_bytes_per_token"] / r["raw_state_bytes_per_token"], "<= 1.01",
-               f"{r['dataset_bytes_per_token']:.1f} bytes on disk per token / {r['raw_state_bytes_per_token']} "
-               "(4 captures x 7168 x 2)"),
+    ]
+
+
+def storage_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
+    """Figure 6 on real SmolLM2 states and the demo, figure 12 the trainers' readers on them
+    (eagle3data.bench.storage)."""
+    from eagle3data.bench.storage import measure
+
+    r = measure(work / "storage", args.model, scale.storage_conversations, scale.reader_repeats)
+    real, demo, codecs = r["smollm2"], r["demo"], r["smollm2_codecs"]
+    kimi = measured.get("io")
+    synthetic = (f"; Kimi-shaped random normal bf16 (figures 2-3's files) "
+                 f"{kimi['dataset_bytes_per_token'] / kimi['raw_state_bytes_per_token']:.4f}" if kimi else "")
+    rates = {name: {k: v / 1e9 for k, v in by.items()} for name, by in r["readers"]["bytes_per_second"].items()}
+    c, raw = rates["compressed"], rates["raw"]
+    return r, [
+        judged("6", "storage", real["stored_over_raw"], "<= 0.72",
+               f"SmolLM2-135M-Instruct's real bf16 states ({real['samples']} samples, {real['tokens']} tokens, "
+               f"{real['raw_state_bytes'] / 1e6:.1f} MB raw): dataset files {real['stored_bytes'] / 1e6:.1f} MB "
+               f"with {real['compression']['codec']} level {real['compression']['level']}; uncompressed "
+               f"{r['smollm2_uncompressed']['stored_over_raw']:.4f}; the same states as frames: "
+               + ", ".join(f"{k} {v['frames_over_raw']:.4f}" for k, v in codecs.items())
+               + f"; the demo {demo['stored_over_raw']:.4f} ({demo['tokens']} tokens){synthetic}"),
+        judged("12", "reader", c["speculators"], ">= 1",
+               f"GB/s of raw states through speculators' reader (eagle3data backend) on the compressed "
+               f"dataset, from the page cache, {r['blosc2_threads']} Blosc2 threads; uncompressed "
+               f"{raw['speculators']:.2f}; SpecForge's reader {c['specforge']:.2f} / {raw['specforge']:.2f}; "
+               f"open_dataset {c['open_dataset']:.2f} / {raw['open_dataset']:.2f} (compressed / raw)"),
     ]
 
 
@@ -214,7 +244,8 @@ def load_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, 
 GROUPS = {  # name: (figures it yields, function(args, scale, work, measured so far)), in order
     "planning": (("5",), planning_figures),
     "tokenize": (("4",), tokenize_figures),
-    "io": (("2", "3", "3m", "6"), io_figures),
+    "io": (("2", "3", "3m"), io_figures),
+    "storage": (("6", "12"), storage_figures),
     "extract": (("1",), extract_figures),
     "end_to_end": (("7", "10", "11"), end_to_end_figures),
     "load": (("9",), load_figures),
@@ -225,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes: a few minutes on 2 cores")
     parser.add_argument("--figures", default=",".join(ORDER), help="subset, e.g. 1,7 (3m: pack memory)")
-    parser.add_argument("--model", default=DEMO_MODEL, help="for 1, 4, 7, 9; the demo model is built if missing")
+    parser.add_argument("--model", default=DEMO_MODEL,
+                        help="for 1, 4, 6 (the demo beside SmolLM2), 7, 9; the demo model is built if missing")
     parser.add_argument("--captures", default=DEMO_CAPTURES, help="for 1 and 7")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="for 1 and 7")
     parser.add_argument("--engine", nargs="*", default=[], help="engine settings KEY=VALUE, for 1 and 7")

@@ -1,12 +1,15 @@
-"""Benchmark figures 2, 3 and 6: validate, pack and storage on Kimi-sized synthetic samples.
+"""Benchmark figures 2, 3 and 3m: validate and pack on Kimi-sized synthetic samples (and their storage
+ratio, printed in figure 6's line).
 
 Kimi-K2.5's shape (61 layers, hidden 7168, the four captures of config/kimi-k2.5.yaml) is written as
 config.json only; samples of `[512, 4, 7168]` random bf16 states are written as the store's files
 (`store.sample_path`, `store.atomic_path`, the connector's tensors and the validation facts it writes in
 the header) with a tokenized shard and an extract manifest per shard. The real `validate` and `pack` stages then run on them as Snakemake runs them: in
-their own process with OMP_NUM_THREADS set to the rule's `threads` (validate 2, pack 1), timed inside it
+their own process with OMP_NUM_THREADS set to the rule's `threads` (validate 2; pack_shard
+storage.compression.threads, capped by the cores as Snakemake caps it), timed inside it
 (`python -m eagle3data.bench.io validate|pack JOB.json`), beside their references on the same files:
-plainly reading them, and `cp` of them. Before each timed pass the files are dropped from the page cache
+plainly reading them, and `cp` of them; pack with the production config's compression (zstd) and
+without (`codec: none`) in the same passes. Before each timed pass the files are dropped from the page cache
 (posix_fadvise DONTNEED), so every pass reads them from disk, as a production shard (tens of GB) is
 read; `os.sync()` first, so no pass pays for an earlier one's writes.
 """
@@ -146,15 +149,23 @@ def copy_files(paths: list[str], dest: Path) -> tuple[float, float]:
     return copied, durable
 
 
+def pack_threads(settings: Settings) -> int:
+    """Rule pack_shard's threads as Snakemake gives them on this machine (capped by the cores)."""
+    return min(settings.config["storage"]["compression"]["threads"], os.cpu_count() or 1)
+
+
 def stage_in_child(stage: str, settings: Settings, shards: list[Shard], out_dir: Path,
-                   read_states: bool = False) -> dict:
+                   read_states: bool = False, codec: str = "") -> dict:
     """Run `validate` (each shard; `read_states` as validation.read_states) or `pack` (all shards into
-    out_dir) in a fresh process with the rule's threads (validate: `validation.threads`, pack: 1), as
-    Snakemake runs it: seconds, peak RSS."""
-    threads = settings.config["validation"]["threads"] if stage == "validate" else 1
+    out_dir; `codec` instead of the config's storage.compression.codec) in a fresh process with the rule's
+    threads (validate: `validation.threads`, pack: `pack_threads`), as Snakemake runs it: seconds, peak RSS."""
+    threads = settings.config["validation"]["threads"] if stage == "validate" else pack_threads(settings)
+    config = json.loads(json.dumps(settings.config))
+    if codec:
+        config["storage"]["compression"]["codec"] = codec
     job = out_dir.with_suffix(f".{stage}.json")
-    job.write_text(json.dumps({"config": settings.config, "shards": [asdict(s) for s in shards],
-                               "out_dir": str(out_dir), "read_states": read_states}))
+    job.write_text(json.dumps({"config": config, "shards": [asdict(s) for s in shards],
+                               "out_dir": str(out_dir), "read_states": read_states, "threads": threads}))
     # Started through `timeout`, which forks it: a process exec'd straight from this one would count
     # this one's memory in its ru_maxrss (Linux keeps the high-water mark across exec).
     proc = subprocess.run(["timeout", "3600", sys.executable, "-m", "eagle3data.bench.io", stage, str(job)],
@@ -174,7 +185,8 @@ def measure(work: Path, shards: int, samples: int, tokens: int, repeats: int) ->
     data = write_shards(settings, work, 4 * shards, samples, tokens)
     files, nbytes, whole = files_of(data), file_bytes(data), one_shard(data, work)
     stage_in_child("validate", settings, data, work / "validated")  # pack's inputs, shard by shard
-    timings = {"read": [], "validate": [], "validate_measuring": [], "cp": [], "cp_durable": [], "pack": []}
+    timings = {"read": [], "validate": [], "validate_measuring": [], "cp": [], "cp_durable": [], "pack": [],
+               "pack_raw": []}
     for _ in range(repeats):
         drop_from_page_cache(files)
         timings["read"].append(read_files(files))
@@ -191,6 +203,9 @@ def measure(work: Path, shards: int, samples: int, tokens: int, repeats: int) ->
         shutil.rmtree(work / "dataset-4x", ignore_errors=True)
         pack_4x = stage_in_child("pack", settings, [whole], work / "dataset-4x")
         timings["pack"].append(pack_4x["seconds"])
+        drop_from_page_cache(files)
+        shutil.rmtree(work / "dataset-raw", ignore_errors=True)
+        timings["pack_raw"].append(stage_in_child("pack", settings, [whole], work / "dataset-raw", codec="none")["seconds"])
     warm_read = read_files(files)
     warm_validate = stage_in_child("validate", settings, [whole], work / "validated", read_states=True)["seconds"]
     pack_1x = stage_in_child("pack", settings, data[:shards], work / "dataset-1x")
@@ -207,6 +222,9 @@ def measure(work: Path, shards: int, samples: int, tokens: int, repeats: int) ->
         "warm": {"validate_measuring_bytes_per_second": nbytes / warm_validate,
                  "read_bytes_per_second": nbytes / warm_read},
         "pack_bytes_per_second": nbytes / best["pack"], "cp_bytes_per_second": nbytes / best["cp"],
+        "pack_raw_bytes_per_second": nbytes / best["pack_raw"], "pack_threads": pack_threads(settings),
+        "compression": settings.config["storage"]["compression"]["codec"],
+        "dataset_raw_bytes": dataset_bytes(work / "dataset-raw"),
         "cp_durable_bytes_per_second": nbytes / best["cp_durable"],
         "pack_peak_rss_mib": {"1x": pack_1x["peak_rss_mib"], "4x": pack_4x["peak_rss_mib"],
                               "before_pack": pack_1x["rss_before_mib"]},
@@ -236,7 +254,7 @@ def _child(stage: str, job_file: str) -> None:
         out = job["out_dir"]
         pack(PackJob([s.tokenized for s in shards], [s.skipped for s in shards], [s.states for s in shards],
                      [s.quarantined for s in shards], out, out + ".counts.json",
-                     sum(len(s.files) for s in shards), metadata))
+                     sum(len(s.files) for s in shards), metadata, threads=job["threads"]))
     seconds = time.perf_counter() - began
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"seconds": seconds, "rss_before_mib": before / 1024, "peak_rss_mib": peak / 1024}))

