@@ -37,6 +37,7 @@ PIPELINE_DEPS=(
   rpds-py==2026.9.1 smart-open==7.7.1 smmap==5.0.3 tenacity==9.2.1 throttler==1.2.3 traitlets==5.16.1
   yte==1.9.4 sqlalchemy==2.0.58 greenlet==3.5.6 sqlmodel==0.0.37 pandera==0.35.0 typeguard==4.6.1 datasets==5.1.0 dill==0.4.1 multiprocess==0.70.19
   isal==1.9.1
+  blosc2==4.14.1 msgpack==1.2.4 ndindex==1.10.1 numexpr==2.14.2 threadpoolctl==3.8.0  # storage.compression
 )
 SDIST_ONLY=(connection-pool==0.0.3)  # pure Python, published as a source archive only: built here
 
