@@ -124,7 +124,9 @@ def decode(frame, n_captures: int, hidden_size: int, dtype: np.dtype | None = No
         raise FrameError(f"a frame of {chunked.nbytes} bytes of {chunked.typesize}-byte values is no "
                          f"[L, {n_captures}, {hidden_size}] {dtype}")
     out = np.empty((chunked.nbytes // row, n_captures, hidden_size), dtype=dtype)
-    chunked.dparams = blosc2.DParams(nthreads=threads or blosc2.nthreads)
+    # One thread a block at most: a context with more threads starts them for every row (~ms a row).
+    blocks = -(-chunked.nbytes // BLOCK_BYTES)
+    chunked.dparams = blosc2.DParams(nthreads=max(1, min(threads or blosc2.nthreads, blocks)))
     if out.size:
         chunked.get_slice(0, None, out=out.reshape(-1).view(np.uint8))
     return out

@@ -15,7 +15,8 @@ rows), then both datasets read row by row through the trainers' readers from the
 speculators' `PackedStatesTransfer.get_cached` (the rows it hands the trainer, its slots: a copy of every
 byte) and SpecForge's `PackedFeatures` (which also applies the final norm in float32), and `open_dataset`
 (on the raw dataset a view of the memory map: no byte is read until the trainer touches it). A pass over
-every reader first, untimed, puts the files in the page cache. The figure is the speculators
+every reader first, untimed, puts the files in the page cache. Rows are read by as many workers as the
+machine has cores, torch at one thread in each, as a trainer's DataLoader workers read them. The figure is the speculators
 reader's rate on the compressed dataset in GB/s of raw states (goal: >= 1 GB/s on 2 cores, issue 46);
 the raw dataset's rate is printed beside. Readers alternate, each keeps its best of `repeats` passes.
 """
@@ -26,6 +27,7 @@ import contextlib
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -155,18 +157,24 @@ def reader_rates(datasets_: dict[str, Path], work: Path, model: Path, repeats: i
         readers[name] = {"speculators": speculators.get_cached, "specforge": specforge,
                          "open_dataset": ds.__getitem__, "rows": len(ds)}
     seconds = {name: {reader: [] for reader in ("speculators", "specforge", "open_dataset")} for name in readers}
-    with torch.no_grad():
-        for r in readers.values():  # the files into the page cache, each reader's first-use costs paid
-            for reader in ("speculators", "specforge", "open_dataset"):
-                for i in range(r["rows"]):
-                    r[reader](i)
-        for _ in range(repeats):
-            for reader in ("speculators", "specforge", "open_dataset"):
-                for name, r in readers.items():
-                    began = time.perf_counter()
-                    for i in range(r["rows"]):
-                        r[reader](i)
-                    seconds[name][reader].append(time.perf_counter() - began)
+    # As a trainer's DataLoader reads them: rows in `workers` workers at once (threads here: decoding and
+    # torch's copies release the GIL), torch at one thread each, as DataLoader sets it in its workers
+    # (torch's two OpenMP threads spinning beside Blosc2's slowed the slot copy ~20x on this machine).
+    threads, workers = torch.get_num_threads(), os.cpu_count() or 1
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad(), ThreadPoolExecutor(workers) as pool:
+            for r in readers.values():  # the files into the page cache, each reader's first-use costs paid
+                for reader in ("speculators", "specforge", "open_dataset"):
+                    list(pool.map(r[reader], range(r["rows"])))
+            for _ in range(repeats):
+                for reader in ("speculators", "specforge", "open_dataset"):
+                    for name, r in readers.items():
+                        began = time.perf_counter()
+                        list(pool.map(r[reader], range(r["rows"])))
+                        seconds[name][reader].append(time.perf_counter() - began)
+    finally:
+        torch.set_num_threads(threads)
     return {"raw_state_bytes": raw, "seconds": seconds,
             "bytes_per_second": {name: {reader: raw / min(s) for reader, s in by.items()}
                                  for name, by in seconds.items()}}
