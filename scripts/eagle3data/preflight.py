@@ -29,7 +29,7 @@ def report(config: dict, schema: str | Path) -> str:
     settings = Settings(config)
     lines = _model(settings) + _captures(settings)
     tokenizer = _tokenizer(config)
-    lines += _template(tokenizer)
+    lines += template_support(tokenizer)
     sizes, input_lines = _input(settings, tokenizer)
     lines += input_lines + _disk(settings, sizes) + _engine(config) + _changed(config, schema)
     return "\n".join(lines)
@@ -65,7 +65,7 @@ def _tokenizer(config: dict):
     return with_template_kwargs(tokenizer, model["chat_template_kwargs"])
 
 
-def _template(tokenizer) -> list[str]:
+def template_support(tokenizer) -> list[str]:
     """Whether the chat template writes tool calls and reasoning: a probe conversation rendered."""
     if not tokenizer.chat_template:
         return ["template   none: the tokenizer has no chat template; every conversation will be skipped"]
