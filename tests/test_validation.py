@@ -23,7 +23,7 @@ from conftest import demo_config, run_snakemake, with_defaults
 from corruption import RUN, ONLY_MTIME, failure_line, packed_ids, rerun, samples, table, validate_log
 
 from eagle3data import measuring, states, validate
-from eagle3data.layers import parse_captures
+from eagle3data.layers import eagle3_captures, parse_captures
 from eagle3data.settings import Settings
 from eagle3data.states import Expected, file_facts, judge_files
 
@@ -40,7 +40,8 @@ def test_policy_defaults_to_fail_and_refuses_unknown_values(tmp_path):
     assert with_defaults(demo_config())["validation"] == {"policy": "fail", "threads": 2, "read_states": False}
     proc = run_snakemake(tmp_path, "-n", config=demo_config(validation={"policy": "skip"}), check=False)
     assert proc.returncode != 0
-    assert "'skip' is not one of ['fail', 'quarantine']" in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "validation.policy is not one of the allowed values" in out and "Allowed: one of: fail, quarantine" in out
 
 
 def _flip_in_place(sample, token: int, slot: int, value: float) -> None:
@@ -251,7 +252,7 @@ def test_pack_refuses_to_start_when_the_disk_lacks_room_for_the_dataset(demo_run
 def test_extract_reuses_a_file_only_if_it_meets_the_same_contract(demo_run, tmp_path):
     sample = samples(demo_run, "00000")[0]
     ids = pd.read_parquet(demo_run / RUN / "tokenized/shard-00000.parquet").set_index("sample_id")
-    expected = Expected(parse_captures(demo_config()["captures"], 8), 128, "bfloat16")
+    expected = Expected(parse_captures(eagle3_captures(8), 8), 128, "bfloat16")
     input_ids = ids.loc[sample.sample_id, "input_ids"]
     assert judge_files([file_facts(sample.sample_id, str(sample.path), input_ids)], expected) == {}
     copy = tmp_path / sample.path.name
