@@ -43,9 +43,9 @@ def smollm2_config(model: Path) -> dict:
     config["input"] = str(CONVERSATIONS)
     config["model"].update(path=str(model), from_gguf=None)
     config["regenerate"] = {"enabled": False}
-    # The store keeps its raw files (the default drops them once packed): the compressed dataset is
-    # compared with them value by value.
-    config["storage"] = {"drop_packed_states": False}
+    # The states stored compressed (storage.compression, off by default), and the store keeps its raw
+    # files (the default drops them once packed): the compressed dataset is compared with them value by value.
+    config["storage"] = {"drop_packed_states": False, "compression": {"codec": "zstd"}}
     return config
 
 
@@ -187,7 +187,7 @@ def test_loss_masks_follow_the_chatml_template_token_by_token(smollm2_run, smoll
 
 
 def test_real_states_are_stored_compressed_at_most_0_72_of_raw_and_read_back_bit_for_bit(smollm2_run):
-    """storage.compression's default (Blosc2, byte shuffle + zstd level 1) on the real target's bf16
+    """storage.compression's zstd (Blosc2, byte shuffle + zstd level 1) on the real target's bf16
     states: the packed dataset's files (ids and masks included) hold at most 0.72 of the raw state bytes,
     and every value read back equals the store's raw file bit for bit (measured 2026-12-05: 0.71)."""
     dataset = smollm2_run / "dataset"

