@@ -1,17 +1,12 @@
 """Snakemake script for rule tokenize: see eagle3data.tokenization."""
 
 from eagle3data.logs import redirect_output_to
-from eagle3data.tokenization import tokenize_shard, with_template_kwargs
+from eagle3data.tokenization import load_tokenizer, tokenize_shard
 
 sm = snakemake  # noqa: F821
 redirect_output_to(sm.log[0])
 
-from transformers import AutoTokenizer  # noqa: E402
-
-tokenizer = with_template_kwargs(
-    AutoTokenizer.from_pretrained(sm.params.model_path, trust_remote_code=sm.params.trust_remote_code),
-    sm.params.chat_template_kwargs,
-)
+tokenizer = load_tokenizer(sm.params.model_path, sm.params.trust_remote_code, sm.params.chat_template_kwargs)
 if "regenerated" in sm.input.keys():  # regenerate.enabled: the shard's regenerated conversations
     from eagle3data.regenerated import tokenize_regenerated
 

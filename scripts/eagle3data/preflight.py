@@ -17,7 +17,7 @@ from eagle3data.conversations import count_conversations, read_shard
 from eagle3data.disk import sample_bytes
 from eagle3data.settings import Settings, engine_device, with_schema_defaults
 from eagle3data.shards import plan
-from eagle3data.tokenization import tokenize_records, with_template_kwargs
+from eagle3data.tokenization import load_tokenizer, tokenize_records
 
 SAMPLED_CONVERSATIONS = 256  # the input's first ones are tokenized to estimate its tokens
 GIB = 2**30
@@ -58,11 +58,8 @@ def _captures(settings: Settings) -> list[str]:
 
 
 def _tokenizer(config: dict):
-    from transformers import AutoTokenizer
-
     model = config["model"]
-    tokenizer = AutoTokenizer.from_pretrained(model["path"], trust_remote_code=model["trust_remote_code"])
-    return with_template_kwargs(tokenizer, model["chat_template_kwargs"])
+    return load_tokenizer(model["path"], model["trust_remote_code"], model["chat_template_kwargs"])
 
 
 def template_support(tokenizer) -> list[str]:

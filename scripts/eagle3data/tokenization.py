@@ -77,6 +77,14 @@ def with_template_kwargs(tokenizer, kwargs: dict):
     return tokenizer
 
 
+def load_tokenizer(path: str, trust_remote_code: bool, template_kwargs: dict):
+    """The target's tokenizer as tokenize and preflight render with it (with_template_kwargs)."""
+    from transformers import AutoTokenizer
+
+    return with_template_kwargs(AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code),
+                                template_kwargs)
+
+
 def _render(tokenizer, messages: list[dict], tools, add_generation_prompt: bool) -> str:
     kwargs = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
