@@ -5,11 +5,11 @@ from snakemake.utils import min_version
 
 min_version("9.27")
 
-from eagle3data.config_check import validate_config
-from eagle3data.conversations import count_conversations
-from eagle3data.disk import check_storage_config
-from eagle3data.settings import engine_device
-from eagle3data.shards import plan
+from eagle3data.config.check import validate_config
+from eagle3data.inputs.conversations import count_conversations
+from eagle3data.plan.disk import check_storage_config
+from eagle3data.config.settings import engine_device
+from eagle3data.plan.shards import plan
 
 validate_config(config, workflow.source_path("../config/schema.yaml"))
 check_storage_config(config["storage"])
@@ -46,7 +46,7 @@ resource_scopes:
 
 
 def shard_rows(wildcards):
-    """Input rows [start, stop) of a shard (eagle3data.shards: contiguous ranges)."""
+    """Input rows [start, stop) of a shard (eagle3data.plan.shards: contiguous ranges)."""
     return SHARD_ROWS[int(wildcards.shard)]
 
 

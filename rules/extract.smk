@@ -1,5 +1,6 @@
 # Run the target model (vLLM) over a shard and store each sample's hidden states; reuses finished ones.
-from eagle3data import engine_pool, failed_samples
+from eagle3data.engine import pool as engine_pool
+from eagle3data.capture import failed_samples
 
 
 rule extract:
@@ -36,7 +37,7 @@ rule extract:
 
 
 # `snakemake retry_failed`: re-run only the extract jobs of the shards whose last run recorded failed
-# samples (extract/shard-NNNNN.failed.json, see eagle3data.failed_samples); each computes only those.
+# samples (extract/shard-NNNNN.failed.json, see eagle3data.capture.failed_samples); each computes only those.
 FAILED_SHARDS = glob_wildcards(f"{RUN_DIR}/extract/shard-{{shard}}.failed.json").shard
 
 

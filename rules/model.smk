@@ -1,7 +1,7 @@
 # Target models built by the workflow itself; a checkpoint given by model.path alone is read in place.
 # A builder writes only a directory it built (marked inside): anything else at model.path is refused
-# before any job runs (eagle3data.model_builds), since Snakemake deletes a rule's output to rebuild it.
-from eagle3data.model_builds import check_buildable
+# before any job runs (eagle3data.model.builds), since Snakemake deletes a rule's output to rebuild it.
+from eagle3data.model.builds import check_buildable
 
 # The embedded default: build a tiny random-weight Kimi-shaped model and tokenizer (no download).
 if config["model"]["build_demo"]:

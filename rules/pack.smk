@@ -1,6 +1,6 @@
 # Pack each validated shard into an Arrow file while later shards are extracted; then the dataset as an
 # index over them (hard links, counts reconciled, quarantined included): seconds after the last shard.
-# The packed files live in the store (states/<key>/packed/, eagle3data.packed), outside the declared
+# The packed files live in the store (states/<key>/packed/, eagle3data.dataset.packed), outside the declared
 # outputs like the per-sample files: under storage.drop_packed_states (the default) they are the only
 # copy. Each job compresses its shard's states with storage.compression.threads threads.
 

@@ -1,7 +1,7 @@
-"""Snakemake script for rule cross_shard_duplicates: see eagle3data.duplicates."""
+"""Snakemake script for rule cross_shard_duplicates: see eagle3data.dataset.duplicates."""
 
-from eagle3data.duplicates import write_index
-from eagle3data.logs import get_logger, redirect_output_to
+from eagle3data.dataset.duplicates import write_index
+from eagle3data.utils.logs import get_logger, redirect_output_to
 
 sm = snakemake  # noqa: F821
 redirect_output_to(sm.log[0])

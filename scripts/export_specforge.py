@@ -1,7 +1,7 @@
-"""Snakemake script for rule export_specforge: see eagle3data.export_specforge."""
+"""Snakemake script for rule export_specforge: see eagle3data.exports.specforge."""
 
-from eagle3data.export_specforge import export
-from eagle3data.logs import redirect_output_to
+from eagle3data.exports.specforge import export
+from eagle3data.utils.logs import redirect_output_to
 
 sm = snakemake  # noqa: F821
 redirect_output_to(sm.log[0])

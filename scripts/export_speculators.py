@@ -1,8 +1,8 @@
-"""Snakemake script for rule export_speculators: see eagle3data.export_speculators."""
+"""Snakemake script for rule export_speculators: see eagle3data.exports.speculators."""
 
-from eagle3data.export_speculators import export
-from eagle3data.logs import redirect_output_to
-from eagle3data.settings import Settings
+from eagle3data.exports.speculators import export
+from eagle3data.utils.logs import redirect_output_to
+from eagle3data.config.settings import Settings
 
 sm = snakemake  # noqa: F821
 redirect_output_to(sm.log[0])

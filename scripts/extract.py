@@ -1,17 +1,17 @@
-"""Snakemake script for rule extract: see eagle3data.extract."""
+"""Snakemake script for rule extract: see eagle3data.capture.extract."""
 
-from eagle3data.jobinfo import start_job
-from eagle3data.logs import redirect_output_to
+from eagle3data.engine.jobinfo import start_job
+from eagle3data.utils.logs import redirect_output_to
 
 if __name__ == "__main__":
     sm = snakemake  # noqa: F821
     redirect_output_to(sm.log[0])
     start_job(sm.resources.gpu, claim=False)  # the engine server this job may start claims the GPUs
-    from eagle3data.conversations import count_conversations
-    from eagle3data.disk import InputShape
-    from eagle3data.extract import ExtractJob, run
-    from eagle3data.settings import Settings
-    from eagle3data.shards import plan
+    from eagle3data.inputs.conversations import count_conversations
+    from eagle3data.plan.disk import InputShape
+    from eagle3data.capture.extract import ExtractJob, run
+    from eagle3data.config.settings import Settings
+    from eagle3data.plan.shards import plan
 
     settings = Settings(dict(sm.config))
     start, stop = sm.params.rows

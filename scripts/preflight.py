@@ -1,9 +1,9 @@
-"""Snakemake script for rule preflight: see eagle3data.preflight. The report goes to the terminal and
+"""Snakemake script for rule preflight: see eagle3data.config.preflight. The report goes to the terminal and
 to the rule's log."""
 
 from pathlib import Path
 
-from eagle3data.preflight import report
+from eagle3data.config.preflight import report
 
 sm = snakemake  # noqa: F821
 text = report(dict(sm.config), sm.params.schema)

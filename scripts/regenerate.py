@@ -1,18 +1,18 @@
-"""Snakemake script for rule regenerate: see eagle3data.regenerate."""
+"""Snakemake script for rule regenerate: see eagle3data.regenerate.stage."""
 
-from eagle3data.jobinfo import start_job
-from eagle3data.logs import redirect_output_to
+from eagle3data.engine.jobinfo import start_job
+from eagle3data.utils.logs import redirect_output_to
 
 if __name__ == "__main__":
     sm = snakemake  # noqa: F821
     redirect_output_to(sm.log[0])
     if sm.resources.gpu:  # an idle capturing engine of this node may hold the GPUs
-        from eagle3data.engine_pool import stop_idle
+        from eagle3data.engine.pool import stop_idle
 
         stop_idle()
     start_job(sm.resources.gpu)  # claims this job's GPUs: before anything starts CUDA
-    from eagle3data.regenerate import RegenerateJob, run
-    from eagle3data.settings import Settings
+    from eagle3data.regenerate.stage import RegenerateJob, run
+    from eagle3data.config.settings import Settings
 
     run(
         RegenerateJob(

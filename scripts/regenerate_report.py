@@ -1,7 +1,7 @@
-"""Snakemake script for rule regenerate_report: see eagle3data.regenerate_report."""
+"""Snakemake script for rule regenerate_report: see eagle3data.report.regenerate."""
 
-from eagle3data.logs import redirect_output_to
-from eagle3data.regenerate_report import write_regenerate_report
+from eagle3data.utils.logs import redirect_output_to
+from eagle3data.report.regenerate import write_regenerate_report
 
 sm = snakemake  # noqa: F821
 redirect_output_to(sm.log[0])

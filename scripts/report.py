@@ -1,7 +1,7 @@
-"""Snakemake script for rule report: see eagle3data.report."""
+"""Snakemake script for rule report: see eagle3data.report.pages."""
 
-from eagle3data.logs import redirect_output_to
-from eagle3data.report import write_report
+from eagle3data.utils.logs import redirect_output_to
+from eagle3data.report.pages import write_report
 
 sm = snakemake  # noqa: F821
 redirect_output_to(sm.log[0])

@@ -1,8 +1,8 @@
-"""Snakemake script for rule vocab: see eagle3data.vocab."""
+"""Snakemake script for rule vocab: see eagle3data.exports.vocab."""
 
-from eagle3data.logs import redirect_output_to
-from eagle3data.settings import Settings
-from eagle3data.vocab import write_vocab
+from eagle3data.utils.logs import redirect_output_to
+from eagle3data.config.settings import Settings
+from eagle3data.exports.vocab import write_vocab
 
 sm = snakemake  # noqa: F821
 redirect_output_to(sm.log[0])

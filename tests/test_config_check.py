@@ -3,7 +3,6 @@ with one mistake each give a message of at most ten lines naming the key and wha
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import sys
 from collections.abc import Callable
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3data.config_check import ConfigError, validate_config
+from eagle3data.config.check import ConfigError, validate_config
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "config" / "schema.yaml"

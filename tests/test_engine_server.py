@@ -7,12 +7,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from eagle3data import engine as engine_mod
-from eagle3data import engine_pool
-from eagle3data.layers import eagle3_captures, parse_captures
-from eagle3data.model_info import read_model_info
-from eagle3data.settings import engine_config
-from eagle3data.store import sample_path
+from eagle3data.engine import start as engine_mod
+from eagle3data.engine import pool as engine_pool
+from eagle3data.contracts.layers import eagle3_captures, parse_captures
+from eagle3data.model.info import read_model_info
+from eagle3data.config.settings import engine_config
+from eagle3data.storage.store import sample_path
 from eagle3data.bench.synthetic import random_prompts
 
 

@@ -14,13 +14,13 @@ import torch
 from corruption import RUN
 from safetensors.torch import save_file
 
-from eagle3data.extract import TIMED_STEPS
-from eagle3data.layers import parse_captures
-from eagle3data.pinned import PinnedBuffers
-from eagle3data.states import Expected
-from eagle3data.store import atomic_path, sample_path
+from eagle3data.capture.extract import TIMED_STEPS
+from eagle3data.contracts.layers import parse_captures
+from eagle3data.capture.pinned import PinnedBuffers
+from eagle3data.contracts.states import Expected
+from eagle3data.storage.store import atomic_path, sample_path
 from eagle3data.bench.synthetic import random_prompts
-from eagle3data.watcher import StatesWatcher
+from eagle3data.capture.watcher import StatesWatcher
 
 EXPECTED = Expected(parse_captures([{"layer": 1, "point": "input"}, {"layer": 2, "point": "input"},
                                     {"layer": 3, "point": "input"}, {"layer": 3, "point": "output"}], 4),
@@ -80,8 +80,8 @@ def test_one_gather_for_several_requests_gives_each_request_its_own_states():
     that request alone, on a cache of vLLM's own layout."""
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import extract_from_kv_cache
 
-    from eagle3data.connector import gather_requests, request_slots
-    from eagle3data.measuring import measured
+    from eagle3data.capture.connector import gather_requests, request_slots
+    from eagle3data.contracts.measuring import measured
 
     block_size, blocks = 16, 40
     generator = torch.Generator().manual_seed(0)
@@ -99,7 +99,7 @@ def test_one_gather_for_several_requests_gives_each_request_its_own_states():
 
 
 def test_the_connector_gathers_a_step_s_requests_in_groups_of_bounded_size():
-    from eagle3data.connector import _groups
+    from eagle3data.capture.connector import _groups
 
     class Pending:
         def __init__(self, n: int):
@@ -114,7 +114,7 @@ def test_the_connector_gathers_a_step_s_requests_in_groups_of_bounded_size():
 def test_copies_on_gpu_wait_for_the_step_s_start_and_a_step_without_one_stops_the_engine():
     """The GPU copies wait for an event recorded in start_load_kv. A step whose start_load_kv did not run
     (a vLLM that skips it) must stop the engine, not copy after a stale event from an earlier step."""
-    from eagle3data.connector import Eagle3StatesConnector
+    from eagle3data.capture.connector import Eagle3StatesConnector
 
     connector = Eagle3StatesConnector.__new__(Eagle3StatesConnector)  # no engine: only the GPU path's guard
     connector._buffers = object()  # as on GPU, rank 0

@@ -12,14 +12,13 @@ the tool results; every assistant turn must be trained exactly once.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from eagle3data.conversations import UnsupportedInput, normalize, read_shard
-from eagle3data.demo import KIMI_STYLE_CHAT_TEMPLATE, build_demo_tokenizer
-from eagle3data.tokenization import tokenize_records, tokenize_shard
+from eagle3data.inputs.conversations import UnsupportedInput, normalize, read_shard
+from eagle3data.model.demo import KIMI_STYLE_CHAT_TEMPLATE, build_demo_tokenizer
+from eagle3data.inputs.tokenization import tokenize_records, tokenize_shard
 
 from conftest import DEMO_CONVERSATIONS, REPO, demo_config, run_snakemake
 
@@ -353,7 +352,7 @@ def test_reasoning_kimi_style_history_turns_get_empty_think(tokenizer):
 
 
 def test_report_rows_say_what_the_samples_train(tokenizer):
-    from eagle3data.report import content_rows
+    from eagle3data.report.pages import content_rows
 
     kept, _, _ = tokenize_file(tokenizer, QWEN3_STYLE, "openai_parts_reasoning.jsonl")
     rows = dict(content_rows(kept))
@@ -367,7 +366,7 @@ def test_report_rows_say_what_the_samples_train(tokenizer):
 
 
 def test_truncation_keeps_the_facts_of_the_tokens_left(tokenizer):
-    from eagle3data.schemas import TokenizedShard, check
+    from eagle3data.contracts.schemas import TokenizedShard, check
 
     full, _, records = tokenize_file(tokenizer, QWEN3_STYLE, "openai_parts_reasoning.jsonl")
     row = full[(full["source_row"] == 5) & (full["part"] == 0)].iloc[0]  # trains the call turn and the answer
@@ -432,8 +431,8 @@ def test_duplicates_in_one_shard_are_recorded_skips(tokenizer, tmp_path):
 
 
 def test_split_conversations_reconcile_at_pack():
-    from eagle3data.index import _reconcile
-    from eagle3data.pack import _split_samples
+    from eagle3data.dataset.index import _reconcile
+    from eagle3data.dataset.pack import _split_samples
 
     kept = pd.DataFrame({"source_row": [0, 0, 0, 1], "sample_id": list("abcd")})  # row 0: three samples
     skipped = pd.DataFrame({"sample_id": ["e", "f"], "source_row": [1, 2], "source_id": ["", ""],

@@ -2,11 +2,11 @@
 
 Real workflow runs on the first 8 (or 12) demo conversations, one sample per engine call so that a kill
 point counted in batches is a count of samples. Runs are killed with the
-test-only hook `EAGLE3DATA_TEST_KILL_AT` (eagle3data.testing): at a named point the process group of the
+test-only hook `EAGLE3DATA_TEST_KILL_AT` (eagle3data.utils.testing): at a named point the process group of the
 whole run (snakemake, the job, vLLM's processes) gets SIGKILL, as in a node crash. A file's inode and
 mtime change whenever it is written again (every write is a rename of a new file), so an unchanged
 (inode, mtime) proves a finished sample was never computed again. Every resumed or retried run's dataset
-must equal the uninterrupted run's under the reproducibility contract (eagle3data.reproducibility).
+must equal the uninterrupted run's under the reproducibility contract (eagle3data.validate.reproducibility).
 Each engine start costs ~30 s here.
 """
 
@@ -27,10 +27,10 @@ import yaml
 from conftest import DEMO_CONVERSATIONS, REPO, SNAKEMAKE, demo_config, run_snakemake, with_defaults
 from safetensors import safe_open
 
-from eagle3data.layers import eagle3_captures
-from eagle3data.reproducibility import dataset_differences
-from eagle3data.settings import Settings
-from eagle3data.testing import KILL_ENV
+from eagle3data.contracts.layers import eagle3_captures
+from eagle3data.validate.reproducibility import dataset_differences
+from eagle3data.config.settings import Settings
+from eagle3data.utils.testing import KILL_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -178,8 +178,8 @@ def test_one_engine_serves_the_shards_and_its_crash_fails_only_the_shard_in_flig
     loudly; the next job starts another engine, which serves the three other shards one after another.
     A re-run soon after uses that engine (kept loaded for keep_alive_s after a failed run) and finishes
     the failed shard from the store; the run's success stops it."""
-    from eagle3data import engine_pool
-    from eagle3data.testing import KILL_ENGINE_ENV
+    from eagle3data.engine import pool as engine_pool
+    from eagle3data.utils.testing import KILL_ENGINE_ENV
 
     workdir = new_run(tmp_path / "run", 8)
     config = small_config(tiny_deepseek, shard_size=2, engine={"batch_samples": 2, "keep_alive_s": 600})

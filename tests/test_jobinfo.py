@@ -18,11 +18,11 @@ import uuid
 import pytest
 from conftest import demo_config, run_snakemake
 
-from eagle3data import jobinfo
+from eagle3data.engine import jobinfo
 
 JOB = """
 import os, sys
-from eagle3data.jobinfo import start_job
+from eagle3data.engine.jobinfo import start_job
 start_job(int(sys.argv[1]))
 print(os.environ["CUDA_VISIBLE_DEVICES"], flush=True)
 sys.stdin.read()  # hold the GPUs until the test closes stdin

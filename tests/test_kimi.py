@@ -28,16 +28,17 @@ import torch
 from conftest import REPO, demo_config, run_snakemake, with_defaults
 from safetensors import safe_open
 
-from eagle3data import disk, engine
-from eagle3data.conversations import normalize_messages
-from eagle3data.demo import tiny_deepseek_v3_config
-from eagle3data.layers import parse_captures
-from eagle3data.model_info import (ModelConfigError, check_cpu_engine_support, cpu_attention_backend,
+from eagle3data.plan import disk
+from eagle3data.engine import start as engine
+from eagle3data.inputs.conversations import normalize_messages
+from eagle3data.model.demo import tiny_deepseek_v3_config
+from eagle3data.contracts.layers import parse_captures
+from eagle3data.model.info import (ModelConfigError, check_cpu_engine_support, cpu_attention_backend,
                                    read_model_info)
-from eagle3data.settings import engine_config
-from eagle3data.shapes import TOKENIZER_FILES
-from eagle3data.states import Expected
-from eagle3data.tokenization import tokenize_conversation, tokenize_records
+from eagle3data.config.settings import engine_config
+from eagle3data.model.shapes import TOKENIZER_FILES
+from eagle3data.contracts.states import Expected
+from eagle3data.inputs.tokenization import tokenize_conversation, tokenize_records
 
 DEMO_CAPTURES = [{"layer": 2, "point": "input"}, {"layer": 4, "point": "input"},
                  {"layer": 5, "point": "input"}, {"layer": 7, "point": "output"}]
@@ -372,10 +373,10 @@ UNGUARDED_RUNNER = textwrap.dedent(
     """
     import json, sys, time
     from pathlib import Path
-    from eagle3data import engine
+    from eagle3data.engine import start as engine
     from eagle3data.bench import crosscheck
-    from eagle3data.layers import parse_captures
-    from eagle3data.settings import engine_config
+    from eagle3data.contracts.layers import parse_captures
+    from eagle3data.config.settings import engine_config
 
     if __name__ == "__main__":
         model, store, captures = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
@@ -481,7 +482,7 @@ def test_kimi_sample_size_and_whole_input_estimate():
 
 
 def test_extract_refuses_to_start_when_the_disk_lacks_room(tiny_deepseek, tmp_path):
-    from eagle3data.extract import ExtractJob, run
+    from eagle3data.capture.extract import ExtractJob, run
     from eagle3data.bench.synthetic import random_prompts, write_token_shard
 
     write_token_shard(str(tmp_path / "shard.parquet"), random_prompts(3, 50, 500))

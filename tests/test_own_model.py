@@ -127,7 +127,7 @@ def test_a_builder_rebuilds_what_it_built(tmp_path):
 
 def test_the_readmes_example_rows_are_accepted():
     """The rows README's "Your model, your data" shows are read as the conversations they mean."""
-    from eagle3data.conversations import normalize
+    from eagle3data.inputs.conversations import normalize
 
     section = (REPO / "README.md").read_text().split("## Your model, your data")[1].split("```")[1]
     rows = [json.loads(line) for line in section.strip().splitlines()]
@@ -143,7 +143,7 @@ def test_preflight_tells_which_parts_a_template_renders(smollm2):
     """Kimi-K2's layout declares tools and writes tool calls, but no reasoning."""
     from transformers import AutoTokenizer
 
-    from eagle3data.preflight import template_support
+    from eagle3data.config.preflight import template_support
     from test_kimi import KIMI_TEMPLATE
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)

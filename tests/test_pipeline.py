@@ -11,7 +11,8 @@ import torch
 from conftest import REPO, run_snakemake
 from safetensors.torch import load_file
 
-from eagle3data import open_dataset, pack
+from eagle3data import open_dataset
+from eagle3data.dataset import pack
 
 RUN = "results/demo"
 

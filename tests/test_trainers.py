@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from eagle3data import open_dataset
 from eagle3data.bench import muon_cpu
-from eagle3data.store import sample_path
-from eagle3data.trainers import SPECULATORS, ExportRefused, layout
+from eagle3data.storage.store import sample_path
+from eagle3data.exports.trainers import SPECULATORS, ExportRefused, layout
 
 RUN = "results/demo"
 MODEL = "resources/demo-model"
@@ -153,12 +153,12 @@ def test_the_reader_export_holds_no_states_and_speculators_reads_the_packed_ones
     from hs_connectors.transfer import FileTransfer
     from speculators.train.data import ArrowDataset
 
-    from eagle3data.speculators_reader import PackedStatesTransfer
+    from eagle3data.exports.speculators_reader import PackedStatesTransfer
 
     run, _ = exported
     reader, files = tmp_path / "reader", run / RUN / "export" / "speculators"
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle3data.export_speculators", f"{RUN}/dataset", str(reader), "--token-freq",
+        [sys.executable, "-m", "eagle3data.exports.speculators", f"{RUN}/dataset", str(reader), "--token-freq",
          f"{RUN}/token_freq.pt", "--vocab-mapping", f"{RUN}/vocab_mapping.pt", "--states", "reader"],
         capture_output=True, text=True, timeout=300, cwd=run)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -225,7 +225,7 @@ def test_specforge_offline_reader_reads_exactly_the_packed_tensors(exported):
 
 
 def test_the_specforge_reader_export_holds_pointers_and_specforge_reads_the_packed_rows(exported, tmp_path):
-    """export.specforge.states: reader. Through eagle3data.specforge_reader, SpecForge's own offline reader,
+    """export.specforge.states: reader. Through eagle3data.exports.specforge_reader, SpecForge's own offline reader,
     feature store and loader yield from the pointer export exactly the batches they yield from the files
     export, and SpecForge counts the same tokens for its draft vocabulary."""
     from specforge.algorithms.eagle3.data import build_offline_collator, build_offline_normalizer
@@ -234,12 +234,12 @@ def test_the_specforge_reader_export_holds_pointers_and_specforge_reads_the_pack
     from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
     from specforge.training.vocab_mapping import count_effective_feature_tokens
 
-    from eagle3data.specforge_reader import install
+    from eagle3data.exports.specforge_reader import install
 
     run, _ = exported
     reader, files = tmp_path / "reader", run / RUN / "export" / "specforge"
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle3data.export_specforge", f"{RUN}/dataset", str(reader), "--model", MODEL,
+        [sys.executable, "-m", "eagle3data.exports.specforge", f"{RUN}/dataset", str(reader), "--model", MODEL,
          "--vocab-mapping", f"{RUN}/vocab_mapping.pt", "--states", "reader"],
         capture_output=True, text=True, timeout=300, cwd=run)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,5 +1,5 @@
 """Validation beyond the catalogue: the policy, the quarantine round trip, pack's re-checks, extract's
-reuse check, and `python -m eagle3data.check_dataset` on packed datasets copied or merged by hand.
+reuse check, and `python -m eagle3data.dataset.check` on packed datasets copied or merged by hand.
 
 All on real files of the session's demo run; the workflow is re-run where a stage is under test.
 """
@@ -21,17 +21,19 @@ import torch
 from conftest import demo_config, run_snakemake, with_defaults
 from corruption import RUN, ONLY_MTIME, failure_line, packed_ids, rerun, samples, table, validate_log
 
-from eagle3data import measuring, states, validate
-from eagle3data.layers import eagle3_captures, parse_captures
-from eagle3data.settings import Settings
-from eagle3data.states import Expected, file_facts, judge_files
+from eagle3data.contracts import measuring
+from eagle3data.contracts import states
+from eagle3data.validate import stage as validate
+from eagle3data.contracts.layers import eagle3_captures, parse_captures
+from eagle3data.config.settings import Settings
+from eagle3data.contracts.states import Expected, file_facts, judge_files
 
 
 CAPTURES = ["layer2_input", "layer4_input", "layer5_input", "layer7_output"]
 
 
 def check_dataset(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "eagle3data.check_dataset", str(path)],
+    return subprocess.run([sys.executable, "-m", "eagle3data.dataset.check", str(path)],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -225,8 +227,8 @@ def test_pack_rechecks_the_validated_manifest(demo_copy):
 
 
 def test_pack_refuses_to_start_when_the_disk_lacks_room_for_the_dataset(demo_run, tmp_path):
-    from eagle3data import disk
-    from eagle3data.pack import PackJob, run
+    from eagle3data.plan import disk
+    from eagle3data.dataset.pack import PackJob, run
 
     run_dir = demo_run / RUN
     shards = sorted(p.name.removesuffix(".parquet") for p in (run_dir / "tokenized").glob("shard-?????.parquet"))

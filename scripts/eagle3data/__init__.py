@@ -11,7 +11,7 @@ __all__ = ["open_dataset", "decode_states", "read_metadata"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from eagle3data import dataset
+        from eagle3data.dataset import format as dataset
 
         return getattr(dataset, name)
     raise AttributeError(f"module 'eagle3data' has no attribute {name!r}")

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from eagle3data.index import IndexJob, index
-from eagle3data.logs import redirect_output_to
-from eagle3data.pack import ShardPackJob
-from eagle3data.pack import pack_shard as pack_one_shard
-from eagle3data.packed import packed_shard_path, restoring
-from eagle3data.settings import Settings
-from eagle3data.validate import ValidateJob
-from eagle3data.validate import run as run_validate
+from eagle3data.dataset.index import IndexJob, index
+from eagle3data.utils.logs import redirect_output_to
+from eagle3data.dataset.pack import ShardPackJob
+from eagle3data.dataset.pack import pack_shard as pack_one_shard
+from eagle3data.dataset.packed import packed_shard_path, restoring
+from eagle3data.config.settings import Settings
+from eagle3data.validate.stage import ValidateJob
+from eagle3data.validate.stage import run as run_validate
 
 
 def _started(sm) -> Settings:
@@ -19,7 +19,7 @@ def _started(sm) -> Settings:
 
 
 def validate(sm) -> None:
-    """Rule validate: see eagle3data.validate."""
+    """Rule validate: see eagle3data.validate.stage."""
     settings = _started(sm)
     run_validate(
         ValidateJob(
@@ -41,7 +41,7 @@ def validate(sm) -> None:
 
 
 def pack_shard(sm) -> None:
-    """Rule pack_shard: see eagle3data.pack.pack_shard."""
+    """Rule pack_shard: see eagle3data.dataset.pack.pack_shard."""
     settings = _started(sm)
     pack_one_shard(
         ShardPackJob(
@@ -65,7 +65,7 @@ def pack_shard(sm) -> None:
 
 
 def pack(sm) -> None:
-    """Rule pack, the dataset over the packed shards: see eagle3data.index."""
+    """Rule pack, the dataset over the packed shards: see eagle3data.dataset.index."""
     settings = _started(sm)
     index(
         IndexJob(

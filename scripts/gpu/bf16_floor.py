@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle3data.bench.crosscheck import compare, reference_states
-from eagle3data.layers import parse_captures
+from eagle3data.contracts.layers import parse_captures
 from eagle3data.bench.synthetic import random_prompts
 
 CAPTURES = [{"layer": 2, "point": "input"}, {"layer": 4, "point": "input"}, {"layer": 6, "point": "input"},

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from transformers import DeepseekV3ForCausalLM
 
-from eagle3data.demo import tiny_deepseek_v3_config
-from eagle3data.shapes import TOKENIZER_FILES
+from eagle3data.model.demo import tiny_deepseek_v3_config
+from eagle3data.model.shapes import TOKENIZER_FILES
 
 
 def main(out: Path, tokenizer_dir: Path, dense: bool) -> None:

@@ -57,8 +57,8 @@ def compare(args) -> dict:
 
 def stores(args) -> dict:
     """Two stores of the same prompts computed in other batches: how many samples differ in any bit, and
-    the first differences as eagle3data.reproducibility words them (units in the last place)."""
-    from eagle3data.reproducibility import states_difference
+    the first differences as eagle3data.validate.reproducibility words them (units in the last place)."""
+    from eagle3data.validate.reproducibility import states_difference
 
     a = {p.stem: p for p in Path(args.store_a).rglob("*.safetensors")}
     b = {p.stem: p for p in Path(args.store_b).rglob("*.safetensors")}

@@ -8,7 +8,7 @@ import random
 import sys
 from pathlib import Path
 
-from eagle3data.conversations import normalize_messages
+from eagle3data.inputs.conversations import normalize_messages
 
 
 def main(src: str, out: str, count: int) -> None:

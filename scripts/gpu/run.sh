@@ -33,7 +33,7 @@ case "$what" in
     python3 -c "import torch, vllm, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, \
 'transformers', transformers.__version__, torch.cuda.device_count(), 'GPUs', torch.cuda.get_device_name(0))"
     python3 scripts/gpu/make_conversations.py data/demo/conversations.jsonl results/gpu-conversations.jsonl 48
-    python3 -m eagle3data.shapes kimi-k2.5 /tmp/kimi-shape --tokenizer-from resources/demo-tokenizer
+    python3 -m eagle3data.model.shapes kimi-k2.5 /tmp/kimi-shape --tokenizer-from resources/demo-tokenizer
     step workflow kimi-shape
     workflow kimi-shape 1 kimi-shape
     python3 scripts/gpu/check_states.py shapes gpu-kimi-shape --hidden 7168 | tee "$OUT/kimi-shape.json"
@@ -49,7 +49,7 @@ case "$what" in
     rm -rf /tmp/bench
     ;;
   invariance)  # issue 21: what vLLM's batch-invariant mode costs in figure 1 (both engines run in the mode)
-    python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
+    python3 -m eagle3data.model.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     for mode in ${BI_MODES:-1 0}; do
       step "figure 1, VLLM_BATCH_INVARIANT=$mode"
       VLLM_BATCH_INVARIANT=$mode timeout 570 python3 -m eagle3data.bench.extract --model /tmp/llama-8b \
@@ -61,7 +61,7 @@ case "$what" in
     done
     ;;
   batches)  # issue 21: are a sample's states a function of its tokens on the H200, with or without the mode?
-    python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
+    python3 -m eagle3data.model.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     for mode in 0 1; do
       for batch in 256 24; do
         step "extract 256 prompts in batches of $batch, VLLM_BATCH_INVARIANT=$mode"
@@ -77,7 +77,7 @@ case "$what" in
     done
     ;;
   regenerate)  # issue 17: generation throughput of the stage against vLLM's bare generate(), same engine
-    python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
+    python3 -m eagle3data.model.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     python3 scripts/gpu/make_conversations.py data/demo/conversations.jsonl /tmp/regen-conversations.jsonl 1024
     step "regenerate 1024 conversations, 256 new tokens"
     VLLM_WORKER_MULTIPROC_METHOD=spawn timeout 430 python3 -m eagle3data.bench.regenerate --model /tmp/llama-8b \
@@ -88,7 +88,7 @@ case "$what" in
     ;;
   load-prepare)  # figure 9's checkpoint: a random 8B model as real safetensors files
     step "write a random 8B checkpoint"
-    python3 -m eagle3data.shapes llama-8b /tmp/llama-8b-weights --tokenizer-from resources/demo-tokenizer
+    python3 -m eagle3data.model.shapes llama-8b /tmp/llama-8b-weights --tokenizer-from resources/demo-tokenizer
     timeout 240 python3 -m eagle3data.bench.load --write-checkpoint llama-8b /tmp/llama-8b-weights
     du -sh /tmp/llama-8b-weights; df -h /tmp | tail -1
     ;;
@@ -104,7 +104,7 @@ case "$what" in
             # prompts (FIGURE1_PROMPTS, 2048), figure 7's shards (FIGURE7_SHARDS, 8) and its extract jobs
             # side by side (JOBS_PER_ENGINE, 2)
     step figures 1,7
-    python3 -m eagle3data.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
+    python3 -m eagle3data.model.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     # The machine each second (CPU busy/idle/iowait, blocks written, dirty memory) for where the tail goes.
     cat /proc/sys/vm/dirty_ratio /proc/sys/vm/dirty_background_ratio > "$OUT/vmstat-figures.txt"
     (while :; do echo "$(date -u +%T) $(vmstat 1 2 | tail -1) $(grep -E '^(Dirty|Writeback):' /proc/meminfo | tr -s ' ' | tr '\n' ' ')"; done >> "$OUT/vmstat-figures.txt") &
@@ -117,7 +117,7 @@ case "$what" in
       --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
     echo "benchmark: exit $?"; kill $vmstat_pid; grep -E "^figure|^          " /tmp/figures.log; tail -n 3 /tmp/figures.log
     # What a tail job's start costs here: its imports, each module alone (a fresh interpreter each)
-    for module in eagle3data.validate eagle3data.pack eagle3data.index; do
+    for module in eagle3data.validate.stage eagle3data.dataset.pack eagle3data.dataset.index; do
       python3 -X importtime -c "import $module" 2> "$OUT/importtime-$module.txt"
       echo "$module: $(tail -n 1 "$OUT/importtime-$module.txt" | cut -d'|' -f2) us to import (after the run's)"
     done

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from eagle3data.measuring import measured, written_facts
-from eagle3data.states import FACTS_KEY
-from eagle3data.store import atomic_path
+from eagle3data.contracts.measuring import measured, written_facts
+from eagle3data.contracts.states import FACTS_KEY
+from eagle3data.storage.store import atomic_path
 
 
 def plain_write(path: str, states: torch.Tensor, token_ids: torch.Tensor, metadata: dict) -> None:

@@ -27,7 +27,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from statistics import mean
 
@@ -38,29 +38,12 @@ from eagle3data.bench.acceptance_serve import prompt_ids
 from eagle3data.bench.acceptance_specforge import train_specforge
 from eagle3data.bench.acceptance_speculators import arm_b
 from eagle3data.bench.acceptance_ties import first_divergences
-from eagle3data.bench.acceptance_train import Recipe, train
+from eagle3data.bench.acceptance_train import SIZES, train
 
 DEFAULT_MODEL = "resources/smollm2-135m"
 ARMS = {"a": "pipeline, reference answers", "b": "speculators 0.9's own datagen",
         "c": "pipeline, regenerated answers", "d": "(a) states shifted by 1 token",
         "e": "(a)'s data, SpecForge's trainer"}
-
-
-@dataclass(frozen=True)
-class Sizes:
-    train_conversations: int
-    heldout_prompts: int
-    max_tokens: int  # new tokens per held-out prompt when served
-    regenerate_tokens: int  # arm (c): regenerate.max_new_tokens (longer answers are kept, truncated)
-    recipe: Recipe
-
-
-SIZES = {
-    "quick": Sizes(64, 12, 48, 128, Recipe(epochs=3, lr=3e-3, draft_vocab=2048, total_seq_len=256)),
-    # full: 6 epochs at lr 3e-3 (~220 optimizer steps of 512 tokens for 192 conversations); 2 epochs at 1e-3
-    # (74 steps) under-trained: (d) read only 0.97 of (a) (docs/benchmarks.md).
-    "full": Sizes(192, 48, 96, 256, Recipe(epochs=6, lr=3e-3, draft_vocab=4096, total_seq_len=512)),
-}
 
 
 def serve(model: Path, prompts: Path, max_tokens: int, draft: str | None, out: Path, log: Path) -> dict:

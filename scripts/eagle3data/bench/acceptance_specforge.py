@@ -39,7 +39,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from eagle3data.bench.acceptance_train import Recipe
+from eagle3data.bench.acceptance_train import SIZES, Recipe
 
 # On CPU: DDP over gloo (SpecForge's FSDP refuses CPU) and SDPA attention (flex attention has no backward
 # on CPU; SpecForge's eagle3 offers fa, flex_attention, sdpa, usp). On a GPU, SpecForge's defaults.
@@ -139,8 +139,6 @@ def device() -> str:
 
 
 def main() -> None:
-    from eagle3data.bench.acceptance import SIZES
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("export", type=Path, help="a SpecForge export of this pipeline (export/specforge)")
     parser.add_argument("--model", type=Path, required=True, help="the target checkpoint")

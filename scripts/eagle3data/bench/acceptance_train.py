@@ -64,3 +64,20 @@ def train(model: Path, data: Path, n_train: int, n_total: int, recipe: Recipe, o
             "val_by_epoch": val,
             "teacher_forced_acc": [val[-1][f"full_acc_{k}_epoch"] for k in range(recipe.ttt_steps)],
             "teacher_forced_cond_acc": [val[-1][f"cond_acc_{k}_epoch"] for k in range(recipe.ttt_steps)]}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    train_conversations: int
+    heldout_prompts: int
+    max_tokens: int  # new tokens per held-out prompt when served
+    regenerate_tokens: int  # arm (c): regenerate.max_new_tokens (longer answers are kept, truncated)
+    recipe: Recipe
+
+
+SIZES = {
+    "quick": Sizes(64, 12, 48, 128, Recipe(epochs=3, lr=3e-3, draft_vocab=2048, total_seq_len=256)),
+    # full: 6 epochs at lr 3e-3 (~220 optimizer steps of 512 tokens for 192 conversations); 2 epochs at 1e-3
+    # (74 steps) under-trained: (d) read only 0.97 of (a) (docs/benchmarks.md).
+    "full": Sizes(192, 48, 96, 256, Recipe(epochs=6, lr=3e-3, draft_vocab=4096, total_seq_len=512)),
+}

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from eagle3data.layers import Capture, parse_captures
+from eagle3data.contracts.layers import Capture, parse_captures
 
 
 def reference_states(model, ids: list[int], captures: list[Capture]) -> torch.Tensor:
@@ -80,11 +80,11 @@ def parse_engine_args(items: list[str]) -> dict:
 
 
 def main() -> None:
-    from eagle3data.extract import ExtractJob, run_alone
-    from eagle3data.model_info import read_model_info
-    from eagle3data.settings import engine_config
-    from eagle3data.states import Expected
-    from eagle3data.store import sample_path
+    from eagle3data.capture.extract import ExtractJob, run_alone
+    from eagle3data.model.info import read_model_info
+    from eagle3data.config.settings import engine_config
+    from eagle3data.contracts.states import Expected
+    from eagle3data.storage.store import sample_path
     from eagle3data.bench.synthetic import random_prompts, write_token_shard
     from safetensors.torch import load_file
 

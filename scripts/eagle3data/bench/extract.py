@@ -8,7 +8,7 @@ Four phases, each in its own process so the GPU is free between them:
            it, plainly (no rename, no fsync: the page cache's rate). Extract cannot outrun the first;
   bare     the engine as the pipeline configures it, minus capture and connector, prefilling the prompts
            in the pipeline's batches (`SamplingParams(max_tokens=1)`);
-  extract  the pipeline's extract stage (`eagle3data.extract.run`) on the same prompts: capture, the
+  extract  the pipeline's extract stage (`eagle3data.capture.extract.run`) on the same prompts: capture, the
            connector's files written and waited for.
 Model FLOPs count every matrix product a prefill does (active experts only, attention scores, the LM
 head for the one sampled position per prompt), not embeddings. Prints one line per figure, last, and
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from eagle3data.bench.crosscheck import parse_capture_arg, parse_engine_args
-from eagle3data.engine import installed_vllm
+from eagle3data.engine.start import installed_vllm
 
 PHASES = ("matmul", "write", "bare", "extract")
 WRITE_FILES = 512  # at most, in the write phase: enough to measure a rate, not a second copy of the states
@@ -107,7 +107,7 @@ def bare_prefill(args, engine: dict, prompts: dict, captures) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3data import engine as engine_mod
+    from eagle3data.engine import start as engine_mod
 
     kwargs = engine_mod.engine_kwargs(args.model, captures, args.dtype, args.tokens, engine, False,
                                       str(Path(args.work) / "unused"))
@@ -128,10 +128,10 @@ def bare_prefill(args, engine: dict, prompts: dict, captures) -> dict:
 
 def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
     """The extract stage itself on a shard of the prompts; its own tokens/s (files waited for)."""
-    from eagle3data.extract import TIMED_STEPS, ExtractJob, run_alone
-    from eagle3data.model_info import read_model_info
-    from eagle3data.states import Expected
-    from eagle3data.store import sample_path
+    from eagle3data.capture.extract import TIMED_STEPS, ExtractJob, run_alone
+    from eagle3data.model.info import read_model_info
+    from eagle3data.contracts.states import Expected
+    from eagle3data.storage.store import sample_path
     from eagle3data.bench.synthetic import write_token_shard
 
     work = Path(args.work)
@@ -208,7 +208,7 @@ def store_write_rate(args, captures, hidden_size: int, threads: int) -> dict:
     connector and the store do (made durable at the end) and plainly; files removed after each."""
     from safetensors.torch import save_file
 
-    from eagle3data.store import atomic_path, make_durable, sample_path
+    from eagle3data.storage.store import atomic_path, make_durable, sample_path
 
     states = torch.randn(args.tokens, len(captures), hidden_size).to(getattr(torch, args.dtype))
     tensors = {"hidden_states": states, "token_ids": torch.arange(args.tokens)}
@@ -239,9 +239,9 @@ def store_write_rate(args, captures, hidden_size: int, threads: int) -> dict:
 
 
 def run_phase(args) -> dict:
-    from eagle3data.layers import parse_captures
-    from eagle3data.model_info import read_model_info
-    from eagle3data.settings import engine_config
+    from eagle3data.contracts.layers import parse_captures
+    from eagle3data.model.info import read_model_info
+    from eagle3data.config.settings import engine_config
     from eagle3data.bench.synthetic import random_prompts
 
     if args.phase == "matmul":
@@ -281,7 +281,7 @@ def main() -> None:
         print("BENCH-RESULT " + json.dumps(run_phase(args)), flush=True)
         return
     if args.shape:
-        from eagle3data.shapes import write_shape
+        from eagle3data.model.shapes import write_shape
 
         write_shape(args.shape, Path(args.model))
     shutil.rmtree(args.work, ignore_errors=True)  # the extract phase must compute, not reuse

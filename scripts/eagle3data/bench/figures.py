@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     if not Path(args.model, "config.json").is_file() and args.model == DEMO_MODEL:
-        from eagle3data.demo import build_demo_model
+        from eagle3data.model.demo import build_demo_model
         from eagle3data.bench.stages import DEMO
 
         build_demo_model(DEMO, Path(args.model))

@@ -32,12 +32,12 @@ import yaml
 from safetensors.torch import save_file
 
 from eagle3data.bench import REPO
-from eagle3data.schemas import ExtractManifest, SkippedShard, check
-from eagle3data.settings import Settings
-from eagle3data.measuring import facts_header
-from eagle3data.reading import READ_CHUNK
-from eagle3data.shapes import write_shape
-from eagle3data.store import atomic_path, sample_path
+from eagle3data.contracts.schemas import ExtractManifest, SkippedShard, check
+from eagle3data.config.settings import Settings
+from eagle3data.contracts.measuring import facts_header
+from eagle3data.contracts.reading import READ_CHUNK
+from eagle3data.model.shapes import write_shape
+from eagle3data.storage.store import atomic_path, sample_path
 from eagle3data.bench.synthetic import random_prompts, write_token_shard
 
 
@@ -236,8 +236,8 @@ def measure(work: Path, shards: int, samples: int, tokens: int, repeats: int) ->
 
 def _child(stage: str, job_file: str) -> None:
     """Child process: run the stage; print its seconds, the RSS before it and the process's peak RSS."""
-    from eagle3data.pack import PackJob, run as pack
-    from eagle3data.validate import ValidateJob, run as validate
+    from eagle3data.dataset.pack import PackJob, run as pack
+    from eagle3data.validate.stage import ValidateJob, run as validate
 
     job = json.loads(Path(job_file).read_text())
     settings, shards = Settings(job["config"]), [Shard(**s) for s in job["shards"]]

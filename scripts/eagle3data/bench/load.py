@@ -77,7 +77,7 @@ def start_seconds(model: str, load_format: str, tp: int, dtype: str) -> float:
 
 
 def child(args) -> None:
-    from eagle3data.engine import start_engine
+    from eagle3data.engine.start import start_engine
 
     llm = start_engine(dict(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tp, max_model_len=520,
                             enforce_eager=True, skip_tokenizer_init=True, enable_prefix_caching=False,
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.write_checkpoint:
-        from eagle3data import shapes
+        from eagle3data.model import shapes
 
         shape = {"llama-8b": shapes.llama_8b_config, "kimi-k2.5": shapes.kimi_k25_config}[args.write_checkpoint[0]]
         write_checkpoint(shape(), Path(args.write_checkpoint[1]))

@@ -1,9 +1,9 @@
 r"""The regenerate stage's generation throughput against vLLM's bare `generate()`, one engine, one run.
 
 Both sides get the same requests: the stage's own prompts (chat template with the generation prompt)
-and sampling parameters (per-request seeds), planned by `eagle3data.regenerate` from the input rows.
+and sampling parameters (per-request seeds), planned by `eagle3data.regenerate.stage` from the input rows.
   bare   `llm.generate(prompts, params)`: all requests at once, nothing stored;
-  stage  `eagle3data.regenerate.run` on the same engine: its engine loop, each response journaled
+  stage  `eagle3data.regenerate.stage.run` on the same engine: its engine loop, each response journaled
          (fsync) as it finishes, replies parsed, the shard's files written, from a fresh journal.
 Generated tokens per second of each (the stage's seconds are the whole job after the engine start:
 tokenizer, planning, generation, files), their ratio per run, worst first, and the ratio of the stage's
@@ -26,11 +26,11 @@ from pathlib import Path
 import pandas as pd
 
 from eagle3data.bench.crosscheck import parse_engine_args
-from eagle3data.conversations import count_conversations, read_shard
-from eagle3data.engine import start_engine
-from eagle3data.journal import Journal
-from eagle3data.regenerate import RegenerateJob, Regenerator, engine_settings, plan, run
-from eagle3data.settings import engine_config
+from eagle3data.inputs.conversations import count_conversations, read_shard
+from eagle3data.engine.start import start_engine
+from eagle3data.regenerate.journal import Journal
+from eagle3data.regenerate.stage import RegenerateJob, Regenerator, engine_settings, plan, run
+from eagle3data.config.settings import engine_config
 
 
 def regenerate_settings(overrides: dict, schema: str | Path = "config/schema.yaml") -> dict:

@@ -3,7 +3,7 @@ the library.
 
 Used by figure 8's arm (e) (eagle3data.bench.acceptance_specforge). Every metrics record the trainer
 logs (train steps, evaluations) is appended as one JSON line to METRICS_JSONL, and
-eagle3data.specforge_reader is installed (a reader export trains too). Without a GPU, SpecForge picks
+eagle3data.exports.specforge_reader is installed (a reader export trains too). Without a GPU, SpecForge picks
 CPU and gloo by itself, and two things stand in the way. Its FSDP wrapper refuses CPU, but the run
 config's `training.fsdp_sharding: NO_SHARD` makes it wrap the draft in DDP, which gloo runs (the run
 config sets that, acceptance_specforge.run_config). And its KL loss is a Triton kernel
@@ -53,7 +53,7 @@ def main() -> None:
     from specforge.algorithms.eagle3 import model
     from specforge.cli import main as specforge_main
 
-    from eagle3data.specforge_reader import install
+    from eagle3data.exports.specforge_reader import install
 
     if not torch.cuda.is_available():
         model.LogSoftmaxLoss = EagerLogSoftmaxLoss

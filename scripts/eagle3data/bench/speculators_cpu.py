@@ -36,7 +36,7 @@ def main() -> None:
     from speculators.train import cli, trainer
     from speculators.train.config import TrainConfig
 
-    import eagle3data.speculators_reader  # noqa: F401  (registers --hidden-states-backend eagle3data)
+    import eagle3data.exports.speculators_reader  # noqa: F401  (registers --hidden-states-backend eagle3data)
     from eagle3data.bench import muon_cpu
 
     if muon_cpu.use_where_bf16_is_slow():

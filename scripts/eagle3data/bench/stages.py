@@ -23,9 +23,9 @@ import pyarrow.compute as pc
 import yaml
 
 from eagle3data.bench import REPO
-from eagle3data.conversations import normalize_messages
-from eagle3data.settings import engine_config
-from eagle3data.tokenization import tokenize_shard
+from eagle3data.inputs.conversations import normalize_messages
+from eagle3data.config.settings import engine_config
+from eagle3data.inputs.tokenization import tokenize_shard
 
 DEMO = REPO / "data" / "demo" / "conversations.jsonl"
 
@@ -161,7 +161,7 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     peak is measured apart: memory, not disk). With `exports`, then both trainer exports, for the
     footprint after them."""
     work.mkdir(parents=True, exist_ok=True)
-    from eagle3data.model_info import read_model_info
+    from eagle3data.model.info import read_model_info
 
     info = read_model_info(model)
     config = yaml.safe_load((REPO / "config" / "demo.yaml").read_text())
@@ -171,7 +171,7 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
                            num_hidden_layers=info.num_hidden_layers)
     config["engine"].update(engine)
     config["storage"] = {"drop_packed_states": True, "transport_dir": transport_dir}  # one copy, as Kimi's
-    # The trainers read the packed states in place (speculators_reader.py, specforge_reader.py).
+    # The trainers read the packed states in place (exports/speculators_reader.py, exports/specforge_reader.py).
     config["export"] = {"speculators": {"states": "reader"}, "specforge": {"states": "reader"}}
     (work / "config.yaml").write_text(yaml.safe_dump(config))
     run = work / "results" / "bench-e2e"

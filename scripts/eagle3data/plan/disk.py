@@ -1,0 +1,138 @@
+"""How much the extract stage will write, and whether the store's disk has room, before any engine starts.
+
+A sample's file is `hidden_states [T, n_captures, H]` plus `token_ids [T]` (int64) and a small header, so
+its size follows from its token count alone. Each extract job knows its own shard exactly; the rest of
+the input is extrapolated from this shard's bytes per input conversation. The job refuses to start when
+the free space on the store's disk is below what is left to write (this shard, plus every shard that has
+no extract manifest yet) and the reserve; `storage.check_free_space: false` turns that into a warning.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3data.utils.logs import get_logger
+from eagle3data.plan.shards import conversations_of
+from eagle3data.contracts.states import ITEMSIZES, Expected
+
+logger = get_logger(__name__)
+
+HEADER_BYTES = 160  # safetensors length prefix + JSON header for the two tensors (152 measured)
+FACTS_BYTES_PER_CAPTURE = 240  # the validation facts in the header (states.FACTS_KEY): 210-232 measured
+TOKEN_ID_BYTES = 8  # token_ids are int64
+GIB = 1024**3
+
+
+class DiskSpaceError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class InputShape:
+    """Where a shard sits in the input: its conversations, the input's, and every shard's rows (shards.plan)."""
+
+    shard_conversations: int
+    input_conversations: int
+    plan: tuple[tuple[int, int], ...]
+
+
+def sample_bytes(num_tokens: int, expected: Expected) -> int:
+    """Size on disk of one sample's states file (at most: the facts' JSON varies by a few bytes)."""
+    itemsize = ITEMSIZES[expected.dtype]
+    per_token = len(expected.captures) * expected.hidden_size * itemsize + TOKEN_ID_BYTES
+    return HEADER_BYTES + len(expected.captures) * FACTS_BYTES_PER_CAPTURE + num_tokens * per_token
+
+
+@dataclass(frozen=True)
+class SizeEstimate:
+    samples: int
+    mean_sample_bytes: float
+    max_sample_bytes: int  # a sample of max_seq_len tokens
+    shard_bytes: int  # every kept sample of this shard
+    todo_bytes: int  # what this job writes (the rest is reused from the store)
+    input_bytes: int  # the whole input, extrapolated from this shard
+    remaining_bytes: int  # this job's writes + the shards without a manifest yet (extrapolated)
+
+    def describe(self, conversations: int) -> str:
+        return (
+            f"expected output: {_mib(self.mean_sample_bytes)} per sample on average "
+            f"({_mib(self.max_sample_bytes)} at max_seq_len); this shard {self.samples} samples, "
+            f"{_gib(self.shard_bytes)} ({_gib(self.todo_bytes)} to write); whole input "
+            f"({conversations} conversations) about {_gib(self.input_bytes)}, of which about "
+            f"{_gib(self.remaining_bytes)} is not written yet"
+        )
+
+
+def estimate(num_tokens: list[int], todo_tokens: list[int], expected: Expected, max_seq_len: int,
+             shape: InputShape, finished_conversations: int) -> SizeEstimate:
+    """Sizes for a shard whose kept samples have `num_tokens` tokens, `todo_tokens` still to compute."""
+    shard_bytes = sum(sample_bytes(t, expected) for t in num_tokens)
+    todo_bytes = sum(sample_bytes(t, expected) for t in todo_tokens)
+    per_conversation = shard_bytes / max(shape.shard_conversations, 1)
+    others_left = max(shape.input_conversations - shape.shard_conversations - finished_conversations, 0)
+    return SizeEstimate(
+        samples=len(num_tokens),
+        mean_sample_bytes=shard_bytes / max(len(num_tokens), 1),
+        max_sample_bytes=sample_bytes(max_seq_len, expected),
+        shard_bytes=shard_bytes,
+        todo_bytes=todo_bytes,
+        input_bytes=round(per_conversation * shape.input_conversations),
+        remaining_bytes=todo_bytes + round(per_conversation * others_left),
+    )
+
+
+def finished_conversations(manifest: str | Path, plan: tuple[tuple[int, int], ...]) -> int:
+    """Conversations of the other shards that already have an extract manifest (their states exist)."""
+    manifest = Path(manifest)
+    others = [p.stem.removeprefix("shard-") for p in manifest.parent.glob("shard-*.parquet") if p != manifest]
+    return conversations_of(plan, [int(number) for number in others if number.isdigit()])
+
+
+def check_storage_config(storage: dict) -> None:
+    """Refuse, before any job runs, a transport directory whose files would never leave it."""
+    if storage.get("transport_dir") and not storage.get("drop_packed_states"):
+        raise ValueError(
+            f"storage.transport_dir ({storage['transport_dir']!r}) holds each sample's file only until its "
+            "shard is packed: it needs storage.drop_packed_states: true (else its memory would hold a "
+            "second copy of every state)"
+        )
+
+
+# `storage` settings for callers that build jobs by hand (tests, benchmarks); the workflow's come from
+# config/schema.yaml, whose defaults these are.
+STORAGE_DEFAULTS = {"check_free_space": True, "reserve_gib": 1, "drop_packed_states": True, "transport_dir": "",
+                    "compression": {"codec": "none", "level": 1, "threads": 4}}
+
+
+def check_free_space(directory: str | Path, needed_bytes: int, reserve_gib: float, enforce: bool,
+                     what: str = "the states store") -> None:
+    """Refuse (or, with enforce False, warn) when the disk of `directory` (`what` writes there) has less
+    than needed + reserve free."""
+    path = Path(directory)
+    while not path.exists():
+        path = path.parent
+    free = shutil.disk_usage(path).free
+    required = needed_bytes + round(reserve_gib * GIB)
+    if free >= required:
+        logger.info("disk: %s free at %s, %s needed (reserve included)", _gib(free), path, _gib(required))
+        return
+    message = (
+        f"disk: {what} {directory} (on the filesystem of {path}) needs {_gib(required)} "
+        f"({_gib(needed_bytes)} still to write + {reserve_gib} GiB reserve), found {_gib(free)} free"
+    )
+    if enforce:
+        raise DiskSpaceError(
+            f"{message}. Free space, put results/ on a larger disk, or set storage.check_free_space: "
+            "false to start anyway."
+        )
+    logger.warning("%s; starting anyway (storage.check_free_space is false)", message)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 1024**2:.2f} MiB"

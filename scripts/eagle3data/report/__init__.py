@@ -1,0 +1,2 @@
+"""Pages of `snakemake --report`: counts and skip reasons, lengths, norms, throughput, regeneration.
+"""
