@@ -13,6 +13,7 @@ import os
 from importlib import metadata
 
 from eagle3data.contracts.layers import Capture, vllm_aux_layer_ids
+from eagle3data.engine.cpu_threads import bind_threads
 from eagle3data.utils.logs import get_logger
 from eagle3data.model.info import check_cpu_engine_support, cpu_attention_backend, read_model_info
 
@@ -132,6 +133,9 @@ def start_engine(kwargs: dict, cpu_kv_cache_gib: int):
         # for its worker and engine core to exit, then a kill, was paid by every run that ended (the
         # worker took ~4 s, the engine core was killed after 5 s). Unless set: 1 s.
         os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
+        binding = bind_threads(kwargs["tensor_parallel_size"])
+        if binding:
+            logger.info("tensor parallel ranks' CPUs (VLLM_CPU_OMP_THREADS_BIND): %s", binding)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     logger.info("starting %s: %s", version, {k: v for k, v in kwargs.items() if k != "kv_transfer_config"})
