@@ -44,7 +44,7 @@ RUNNER = textwrap.dedent(
         info = read_model_info(a["model"])
         captures = parse_captures(a["captures"], info.num_hidden_layers)
         run(ExtractJob(a["shard"], a["manifest"], a["stats"], a["store"], a["model"], False,
-                       Expected(captures, info.hidden_size, "float32"), a["max_seq_len"], a["engine"]))
+                       Expected(captures, info.hidden_size, a["dtype"]), a["max_seq_len"], a["engine"]))
     """
 )
 
@@ -59,15 +59,16 @@ def write_shard(path, prompts: dict[str, list[int]]) -> None:
     pd.DataFrame(rows).to_parquet(path, index=False)
 
 
-def extract(tmp_path, model, prompts, captures, max_seq_len=1024, **engine) -> tuple[dict, str]:
+def extract(tmp_path, model, prompts, captures, max_seq_len=1024, dtype="float32", **engine) -> tuple[dict, str]:
     """Run the extract stage in a subprocess; return {sample_id: states [T, n, H]} and its log."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     shard, store = tmp_path / "shard.parquet", tmp_path / "store"
     write_shard(shard, prompts)
     config = with_defaults({"input": "x.jsonl", "model": {"path": str(model)}, "captures": captures,
                             "engine": {"device": "cpu", "cpu_kv_cache_gib": 1, **engine}})
     args = {"model": str(model), "captures": captures, "shard": str(shard), "store": str(store),
             "manifest": str(tmp_path / "manifest.parquet"), "stats": str(tmp_path / "stats.json"),
-            "max_seq_len": max_seq_len, "engine": config["engine"]}
+            "max_seq_len": max_seq_len, "engine": config["engine"], "dtype": dtype}
     script = tmp_path / "run_extract.py"
     script.write_text(RUNNER)
     proc = subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True, text=True,

@@ -80,7 +80,7 @@ def test_pack_reads_a_file_and_its_crcs_as_torch_wrote_them_without_importing_to
     save_file({"hidden_states": states, "token_ids": torch.arange(5)}, str(path))
     expected = [f"{zlib.crc32(states[:, slot].contiguous().view(torch.uint8).numpy()):08x}" for slot in range(3)]
     code = (
-        "import sys; from eagle3data import pack, validate, index; from eagle3data.contracts.reading import checksum, load_states; "
+        "import sys; from eagle3data.dataset import pack, index; from eagle3data.validate import stage; from eagle3data.contracts.reading import checksum, load_states; "
         f"x = load_states({str(path)!r}); print(x.dtype, list(x.shape), [checksum(x[:, s, :]) for s in range(3)], "
         "'torch' in sys.modules)"
     )
