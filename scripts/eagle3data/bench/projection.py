@@ -8,7 +8,7 @@ share (goal >= 0.85 at Kimi scale) and takes any rate given instead. Nothing her
 
     python -m eagle3data.bench.projection                  # Kimi-K2.5, 8 x H200, 300,000 conversations
     python -m eagle3data.bench.projection --disk-gbps 10 --engine-starts per-shard --json
-    python -m eagle3data.bench.projection --measured docs/measurements/2026-11-30-h200-figures-1-7-session5.json
+    python -m eagle3data.bench.projection --measured docs/measurements/2026-11-30-h200-figures-1-7.json
 
 The model (assumed, not measured, unless a rate says so):
 - N conversations of one mean length in equal shards; states are captures x hidden x 2 bytes a token
