@@ -171,3 +171,44 @@ def test_a_killed_rank_fails_the_job_naming_the_shard(tiny_deepseek, tmp_path):
     text = log.read_text()
     assert str(shard) in text, text[-5000:]
     assert not (tmp_path / "manifest.parquet").exists()
+
+
+@pytest.fixture(scope="module")
+def eight_head_deepseek(tiny_deepseek, tmp_path_factory) -> Path:
+    """The demo's architecture with 8 attention heads, so that 4 ranks split the heads (the demo has 2)."""
+    import shutil
+
+    from transformers import DeepseekV3ForCausalLM
+
+    from eagle3data.model.demo import tiny_deepseek_v3_config
+
+    out = tmp_path_factory.mktemp("eight-heads")
+    shutil.copytree(tiny_deepseek, out, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("*.safetensors", "*.json.index", "config.json", ".eagle3data-*"))
+    config = tiny_deepseek_v3_config(vocab_size=load_reference_model(str(tiny_deepseek), "cpu").config.vocab_size)
+    config.num_attention_heads = config.num_key_value_heads = 8
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2 and "embed" not in name:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.mark.slow
+def test_tp4_ranks_sharing_two_cores_equal_transformers(eight_head_deepseek, tmp_path):
+    """Four ranks on this machine's two cores (two ranks a core): the seed's eight do not fit its memory
+    (each vLLM-CPU rank holds ~1.6 GB besides its KV cache), four do, with the heads and experts split."""
+    model = load_reference_model(str(eight_head_deepseek), "cpu")
+    batch = clear_routing(model, 3)
+    got, log = extract(tmp_path, eight_head_deepseek, batch, DEMO_CAPTURES, tensor_parallel_size=4,
+                       attention_backend="CPU_MLA", max_num_batched_tokens=1024)
+    assert "tensor_parallel_size': 4" in log
+    captures = parse_captures(DEMO_CAPTURES, model.config.num_hidden_layers)
+    for sid, ids in batch.items():
+        want = reference_states(model, ids, captures)
+        for slot, capture in enumerate(captures):
+            difference = relative_difference(got[sid][:, slot], want[:, slot])
+            assert difference <= 1e-4, f"{sid} {capture}: TP4 differs from transformers by {difference}"
