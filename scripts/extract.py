@@ -1,11 +1,13 @@
 """Snakemake script for rule extract: see eagle3data.capture.extract."""
 
 from eagle3data.engine.jobinfo import start_job
+from eagle3data.engine.reaper import guard
 from eagle3data.utils.logs import redirect_output_to
 
 if __name__ == "__main__":
     sm = snakemake  # noqa: F821
     redirect_output_to(sm.log[0])
+    guard("extract job")  # anything it starts in its session dies with it (its engine server has its own)
     start_job(sm.resources.gpu, claim=False)  # the engine server this job may start claims the GPUs
     from eagle3data.inputs.conversations import count_conversations
     from eagle3data.plan.disk import InputShape

@@ -1,16 +1,17 @@
 """Snakemake script for rule regenerate: see eagle3data.regenerate.stage."""
 
 from eagle3data.engine.jobinfo import start_job
+from eagle3data.engine.pool import claim_gpus
+from eagle3data.engine.reaper import guard
 from eagle3data.utils.logs import redirect_output_to
 
 if __name__ == "__main__":
     sm = snakemake  # noqa: F821
     redirect_output_to(sm.log[0])
-    if sm.resources.gpu:  # an idle capturing engine of this node may hold the GPUs
-        from eagle3data.engine.pool import stop_idle
-
-        stop_idle()
-    start_job(sm.resources.gpu)  # claims this job's GPUs: before anything starts CUDA
+    guard("regenerate job")  # its vLLM engine core and workers die with it, whatever ends it
+    # This job's GPUs, before anything starts CUDA; an idle capturing engine of this user holding them
+    # is stopped, nothing else (engine/pool.py).
+    start_job(sm.resources.gpu, claimed=claim_gpus(sm.resources.gpu))
     from eagle3data.regenerate.stage import RegenerateJob, run
     from eagle3data.config.settings import Settings
 

@@ -213,7 +213,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
         kill_point("extract:engine_ready")
         to_come, whole, syncing = _run_batches(job, engine, todo, failed, steps)
     finally:
-        engine.close()  # (done already unless a batch failed)
+        engine.close()  # its files have landed (or the job failed): nothing of this job is in flight
     stats = engine_stats(engine, waited, ready_at, shards_served)
     logger.info("engine %s on %s: %s", engine.entry.id, engine.entry.node, stats)
     began = time.perf_counter()
@@ -269,7 +269,7 @@ def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, 
             steps["generate"] += generated - began
             steps["replies"] += time.perf_counter() - generated
             progress.update(len(rows))
-        engine.close()  # the next shard's job may start its prefill while this one's last files land
+        engine.hand_back()  # the next shard's job may start its prefill while this one's last files land
         began = time.perf_counter()
         syncing, to_come = start_syncing(watcher.whole()), watcher.pending()
         problems = watcher.finish(job.engine["file_timeout_s"])

@@ -7,7 +7,9 @@ counts `gpu` resources (`--resources gpu=8`) and sets no CUDA_VISIBLE_DEVICES, s
 every GPU and all engines would start on the first one. `start_job` therefore claims the job's GPUs
 among those visible, with one lock file per GPU held until the process exits, and narrows
 CUDA_VISIBLE_DEVICES to them. Locks are scoped to the node and the SLURM allocation (or "local"); a job
-that sees exactly its GPUs takes no lock. An extract job claims nothing itself: the engine server it
+that sees exactly its GPUs takes no lock. The locks and the engine registry (engine/pool.py) live under a
+directory of this user's (`user_dir`: mode 0700, refused if another user owns it), never in a directory
+every user of the node can write to. An extract job claims nothing itself: the engine server it
 starts (engine/pool.py) gets the claimed GPUs' locks and holds them for as long as it lives.
 """
 
@@ -27,8 +29,9 @@ from eagle3data.utils.logs import get_logger
 logger = get_logger(__name__)
 
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the driver shows this process
-LOCK_ROOT = Path(tempfile.gettempdir()) / "eagle3data-gpu-locks"
-ENGINE_ROOT = Path(tempfile.gettempdir()) / "eagle3data-engines"  # engine/pool.py's registries
+USER_ROOT = Path(tempfile.gettempdir()) / f"eagle3data-{os.getuid()}"  # this user's, mode 0700
+LOCK_ROOT = USER_ROOT / "gpu-locks"
+ENGINE_ROOT = USER_ROOT / "engines"  # engine/pool.py's registries
 POLL_S = 1.0  # how often a waiting job tries again
 _held: dict[str, BinaryIO] = {}  # this process's claimed GPUs (the locks live as long as the files)
 
@@ -54,7 +57,22 @@ def gpus_to_claim(gpus: int) -> list[str] | None:
 
 
 def gpu_lock_scope() -> Path:
-    return LOCK_ROOT / node_scope()
+    return user_dir(LOCK_ROOT / node_scope())
+
+
+def user_dir(path: Path) -> Path:
+    """`path` (under USER_ROOT) made if missing, every level from USER_ROOT down private to this user
+    (0700). A USER_ROOT that another user owns, or that is a symlink, is refused: someone else could then
+    hold our locks, list our engines or plant files among them."""
+    USER_ROOT.mkdir(mode=0o700, exist_ok=True)
+    info = USER_ROOT.lstat()
+    if USER_ROOT.is_symlink() or info.st_uid != os.getuid():
+        raise GpuClaimError(f"{USER_ROOT} is not a directory of this user's (uid {os.getuid()}): remove it "
+                            f"or set TMPDIR to a directory of your own")
+    if info.st_mode & 0o077:
+        USER_ROOT.chmod(0o700)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
 
 
 def claim_job_gpus(gpus: int) -> dict[str, BinaryIO] | None:
@@ -64,10 +82,12 @@ def claim_job_gpus(gpus: int) -> dict[str, BinaryIO] | None:
     return None if among is None else claim_gpus(gpus, among, gpu_lock_scope())
 
 
-def start_job(gpus: int, claim: bool = True) -> None:
+def start_job(gpus: int, claim: bool = True, claimed: dict[str, BinaryIO] | None = None) -> None:
     """Log node, GPUs and SLURM job id; with `claim`, claim `gpus` GPUs for this process first (an
-    extract job leaves the claim to the engine server it starts: engine/pool.py)."""
-    claimed = claim_job_gpus(gpus) if claim else None
+    extract job leaves the claim to the engine server it starts: engine/pool.py), unless the caller
+    `claimed` them already (pool.claim_gpus, which may stop idle engines holding them)."""
+    if claimed is None and claim:
+        claimed = claim_job_gpus(gpus)
     if claimed is not None:
         _held.update(claimed)
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(claimed)
@@ -97,11 +117,12 @@ def visible_gpus(slurm_job: str | None) -> list[str]:
     return [str(i) for i in range(len(found))]
 
 
-def try_lock(path: Path) -> BinaryIO | None:
-    """An exclusive lock on `path`, held as long as the returned file stays open; None if taken."""
+def try_lock(path: Path, shared: bool = False) -> BinaryIO | None:
+    """An exclusive (or `shared`) lock on `path`, held as long as the returned file stays open; None if
+    taken (exclusively, or at all for an exclusive one)."""
     handle = open(path, "ab")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
         return None
@@ -112,7 +133,7 @@ def try_claim_gpus(n: int, visible: list[str], scope: Path) -> dict[str, BinaryI
     """Lock `n` of `visible` under `scope` now, all or nothing; GPU -> open lock file, or None."""
     if n > len(visible):
         raise GpuClaimError(f"this job asks for {n} GPUs, only {len(visible)} are visible: {visible}")
-    scope.mkdir(parents=True, exist_ok=True)
+    scope.mkdir(mode=0o700, parents=True, exist_ok=True)
     held: dict[str, BinaryIO] = {}
     for gpu in visible:
         lock = try_lock(scope / re.sub(r"[^A-Za-z0-9_.-]", "_", f"gpu-{gpu}"))

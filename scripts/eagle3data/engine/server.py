@@ -7,10 +7,23 @@ until it has been idle for `engine.keep_alive_s` or is asked to stop. Each job k
 log and failure record; the server only turns token ids into states files written by the connector
 (capture/connector.py), exactly as the job's own engine did.
 
-Run as `python -m eagle3data.engine.server SPEC.json` (engine_pool.start_server writes the spec). The
-server stays in the process group of the job that started it, so whatever kills the whole run (a node
-crash, `kill -9` of snakemake, the end of a SLURM allocation) kills the engine too; a crash of the
-engine alone fails only the job it was serving, which sees its connection close.
+Run as `python -m eagle3data.engine.server SPEC.json` (engine_pool.start_server writes the spec).
+
+Its lifecycle, chosen so that it outlives a job but never its run:
+- It runs in a session of its own, so a signal to the job that started it (or to that job's process
+  group: Snakemake, SLURM or an operator stopping the job) does not stop an engine that other jobs of
+  the run are about to use, and the job's reaper (engine/reaper.py) leaves it alone.
+- It belongs to a run: the Snakemake process that scheduled the job that started it (pool.run_owner),
+  and then to the run of each job it serves (a re-run that takes it over owns it from then on). While
+  its run lives, it stops after `keep_alive_s` without a job (a failed run's re-run finds it loaded).
+  Once its run is gone for good (ended, killed with any signal, or its SLURM job over) and no new run
+  took it within ORPHAN_KEEP_ALIVE_S (or keep_alive_s, if shorter) of idleness, it stops: a dead run
+  never holds a node's memory or GPUs for longer than that.
+- It stops only when idle: no job holds it and no job's last files are still landing (pool.py's `busy`
+  and `draining` locks, which it takes itself before stopping).
+- Its own vLLM processes (engine core, workers) die with it, whatever ends it, SIGKILL included: it is
+  guarded by a reaper of its own. SIGTERM, SIGINT and SIGHUP end it at once, logged.
+- A crash of the engine alone fails only the job it was serving, which sees its connection close.
 """
 
 from __future__ import annotations
@@ -26,7 +39,8 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 from eagle3data.engine import start as engine_mod
-from eagle3data.engine.pool import LOG_REPLY_BYTES, ServerEntry
+from eagle3data.engine.pool import LOG_REPLY_BYTES, ServerEntry, owner_alive
+from eagle3data.engine.reaper import guard
 from eagle3data.engine.jobinfo import try_lock
 from eagle3data.contracts.layers import Capture
 from eagle3data.utils.logs import get_logger, redirect_output_to
@@ -34,6 +48,8 @@ from eagle3data.storage.store import atomic_write_text
 from eagle3data.utils.testing import kill_engine_point, kill_point
 
 logger = get_logger(__name__)
+
+ORPHAN_KEEP_ALIVE_S = 60.0  # idle seconds an engine whose run is gone waits for a re-run to take it
 
 
 class Server:
@@ -89,6 +105,9 @@ class Server:
                 conn.send(("ok",))
             elif op == "shard":
                 self.shard, self.kill_spec = message[1], message[2]
+                if len(message) > 3 and message[3] and message[3] != self.entry.owner:
+                    logger.info("engine %s: now owned by the run of process %d", self.entry.id, message[3][0])
+                    self.entry.owner = message[3]
                 self.shards += 1
                 logger.info("engine %s: serving %s (shard %d of this engine)", self.entry.id, message[1],
                             self.shards)
@@ -117,26 +136,45 @@ class Server:
         return ("ok", replies, read_log_since(self.log_path, offset))
 
     def _stop_when_idle(self) -> None:
-        """Stop after keep_alive_s without a client, unless a job claimed the server meanwhile: the
-        server takes its own busy lock first, so a job holding it keeps the server alive."""
+        """Stop after keep_alive_s without a client (ORPHAN_KEEP_ALIVE_S, if shorter, once its run is
+        gone), unless a job claimed the server meanwhile or a job's last files are still landing: the
+        server takes its own busy lock, then its draining lock, so such a job keeps it alive."""
+        orphaned = False
         while True:
             time.sleep(0.5)
-            if self.serving or time.monotonic() - self.idle_since < self.spec["keep_alive_s"]:
+            keep_alive = self.spec["keep_alive_s"]
+            if not owner_alive(self.entry.owner):
+                if not orphaned:
+                    logger.info("engine %s: the run that owns it (process %d) is gone; it stops once idle "
+                                "for %.0f s", self.entry.id, self.entry.owner[0],
+                                min(keep_alive, ORPHAN_KEEP_ALIVE_S))
+                orphaned = True
+                keep_alive = min(keep_alive, ORPHAN_KEEP_ALIVE_S)
+            elif orphaned:
+                orphaned = False  # a re-run took it over
+            if self.serving or time.monotonic() - self.idle_since < keep_alive:
                 continue
             lock = try_lock(Path(self.entry.busy))
             if lock is None:
                 continue
-            logger.info("engine %s: idle for %s s, stopping", self.entry.id, self.spec["keep_alive_s"])
+            draining = try_lock(Path(self.entry.draining)) if self.entry.draining else lock
+            if draining is None:
+                lock.close()
+                continue
+            logger.info("engine %s: idle for %s s, stopping", self.entry.id, keep_alive)
             Path(self.entry.path).unlink(missing_ok=True)  # no new client finds it
             self.stopping = True
+            self._held = (lock, draining)  # released when this process exits
             with Client(self.entry.socket, family="AF_UNIX", authkey=bytes.fromhex(self.entry.authkey)):
-                pass  # wakes accept(); the lock is released when this process exits
+                pass  # wakes accept()
             return
 
     def close(self) -> None:
         Path(self.entry.path).unlink(missing_ok=True)
         self.listener.close()  # removes the socket file
         Path(self.entry.busy).unlink(missing_ok=True)  # a job that opens it anew finds no server: harmless
+        if self.entry.draining:
+            Path(self.entry.draining).unlink(missing_ok=True)
         del self.llm  # vLLM shuts its engine core and workers down
         logger.info("engine %s stopped after %d shards", self.entry.id, self.shards)
 
@@ -153,6 +191,7 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     Path(spec_path).unlink()
     redirect_output_to(spec["entry"]["log"])
+    guard(f"engine server {spec['entry']['id']}")  # its vLLM processes die with it
     server = Server(spec)
     server.start()
     try:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 import pandas as pd
+from tqdm import tqdm
 
 from eagle3data.engine import start as engine_mod
 from eagle3data.inputs.conversations import UnsupportedInput, normalize, read_shard, sample_id
@@ -198,6 +199,10 @@ def generate(llm, regen: Regenerator, queued: list[tuple[Rewrite, Request]]) -> 
 
     engine = llm.llm_engine
     in_flight: dict[str, tuple[Rewrite, Request]] = {}
+    # Progress in the job's log, as extract reports it (tqdm on stderr): conversations done, their rate
+    # and ETA, and the generated tokens per second.
+    progress = tqdm(total=len(queued), desc="regenerate", unit="conversation", mininterval=5)
+    tokens, began = 0, time.perf_counter()
 
     def submit(conv: Rewrite, request: Request | None) -> None:
         while request is not None:
@@ -211,6 +216,7 @@ def generate(llm, regen: Regenerator, queued: list[tuple[Rewrite, Request]]) -> 
                 continue
             in_flight[request_id] = (conv, request)
             return
+        progress.update(1)  # nothing left to generate for this conversation
 
     for conv, request in queued:
         submit(conv, request)
@@ -222,11 +228,14 @@ def generate(llm, regen: Regenerator, queued: list[tuple[Rewrite, Request]]) -> 
                 continue
             conv, request = in_flight.pop(output.request_id)
             completion = output.outputs[0]
+            tokens += len(completion.token_ids)
+            progress.set_postfix_str(f"{tokens / (time.perf_counter() - began):.0f} tokens/s", refresh=False)
             reason = completion.finish_reason if completion.finish_reason in ("stop", "length") else "error"
             regen.finish(conv, {"key": request.key, "text": completion.text,
                                 "num_tokens": len(completion.token_ids), "finish_reason": reason,
                                 "error": None if reason != "error" else f"finish_reason={completion.finish_reason}"})
             submit(conv, regen.next_request(conv))
+    progress.close()
 
 
 def engine_settings(job: RegenerateJob) -> dict:
