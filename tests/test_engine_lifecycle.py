@@ -42,8 +42,8 @@ def start_run(workdir: Path, cfg: dict, target: str, env: dict | None = None) ->
     """The real workflow, in a session of its own, building `target`."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "test-config.yaml").write_text(yaml.safe_dump(cfg))
-    cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2",
-           "--configfile", str(workdir / "test-config.yaml"), target]
+    cmd = [*SNAKEMAKE, target, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2",
+           "--configfile", str(workdir / "test-config.yaml")]
     return subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
 
