@@ -36,7 +36,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 # Under pytest-xdist's two workers (pyproject.toml: `--dist loadfile`, a module's tests in one worker, so
 # its module fixtures are built once), the longest modules are handed out first, so that the two workers
 # finish together (measured: figure 8's test first, the suite took 35:26 instead of 39:40 on an AVX2-only
-# AMD EPYC, 2026-12-04). The SLURM modules take turns: slurm_cluster.py.
+# AMD EPYC). The SLURM modules take turns: slurm_cluster.py.
 LONGEST_FIRST = ("test_acceptance", "test_incremental", "test_slurm_pipeline", "test_benchmark",
                  "test_regenerate", "test_corruption_catalogue", "test_validation", "test_real_model")
 

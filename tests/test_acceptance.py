@@ -26,7 +26,7 @@ def test_aligned_data_beats_the_shifted_control_in_served_acceptance(smollm2, tm
         # threads from Snakemake, its engine from vLLM): beside the other pytest-xdist worker, its 2 threads
         # spin for a core that is busy. speculators' training of arm (a) on the 2-core AMD EPYC, the same
         # steps and accuracies either way: alone 111 s with 2 threads, 178 s with 1; beside a steady
-        # 2-thread torch load 437 s with 2, 244 s with 1 (2026-12-04).
+        # 2-thread torch load 437 s with 2, 244 s with 1.
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         timeout=3600)  # 465 s on an idle 2-core AMD EPYC (656-664 s before the in-process serving engine)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]

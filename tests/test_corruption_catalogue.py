@@ -1,4 +1,4 @@
-"""The corruption catalogue of issue 3: structural corruption cannot be packed, and says what is wrong.
+"""The corruption catalogue: structural corruption cannot be packed, and says what is wrong.
 
 Each test corrupts real files of a private copy of the session's demo run (`demo_copy`), re-runs the
 workflow with the default policy (fail), and asserts that it stops, that the validate log names every

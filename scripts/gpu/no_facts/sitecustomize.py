@@ -1,4 +1,4 @@
-"""Diagnostic (issue 20, figure 1): the connector's writer threads without their per-file facts.
+"""Diagnostic (figure 1): the connector's writer threads without their per-file facts.
 
 With this directory first on PYTHONPATH, every Python process of a run (vLLM's engine process included)
 gets `eagle3data.contracts.measuring.written_facts` replaced, as that module is imported, by one that returns
