@@ -1,5 +1,6 @@
 """An engine server serves one job at a time: the job's batches run one generate() each, their replies
-name the files asked for, and the next job takes the engine, loaded, once the last one hands it back.
+name the files asked for, and the next job takes the engine, loaded, once the last one hands it back;
+nothing stops it while a job's last files may still be landing.
 A real engine server (vLLM on CPU, the demo model), driven by two jobs' ends of engine_pool."""
 
 from __future__ import annotations
@@ -54,12 +55,15 @@ def test_the_next_job_takes_the_engine_loaded_once_the_last_one_hands_it_back(ti
         generated(first, a1)
         assert engine_pool.take_free(key) is None  # held by the first job
         generated(first, a2)
-        first.close()
+        first.hand_back()  # its last reply is in; its last files may still be landing
         second = engine_pool.take_free(key)
         assert second is not None and not second.loaded_here
         assert second.begin_shard("shard-b") == 2
         generated(second, b1)
         second.close()
+        # Not idle while the first job's files may still land: nothing stops it, not even its own run.
+        assert engine_pool.stop_idle_of_run(str(tmp_path)) == 0 and Path(first.entry.path).exists()
+        first.close()
         assert engine_pool.stop_idle(lambda e: e.key == key) == 1 and not Path(first.entry.path).exists()
     finally:
         engine_pool.stop_idle(lambda e: e.key == key)
