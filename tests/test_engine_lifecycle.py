@@ -6,8 +6,6 @@ extract job (an engine server, engine/server.py) are killed by PID with SIGTERM,
 their engine is loaded; every process seen below the job while it ran (found by walking the process
 tree every 0.1 s) must be gone within a few seconds of the job, or, for the engine server that outlives
 a job by design, within its idle timeout once the run that owns it is gone. Their logs say what happened.
-Two runs in two directories at once (same model, other settings) each finish, every engine load of
-each run its own (slow).
 """
 
 from __future__ import annotations
@@ -38,11 +36,11 @@ def config(model: Path, **overrides) -> dict:
                        engine={"keep_alive_s": KEEP_ALIVE_S}, **overrides)
 
 
-def start_run(workdir: Path, cfg: dict, target: str, env: dict | None = None) -> subprocess.Popen:
-    """The real workflow, in a session of its own, building `target`."""
+def start_run(workdir: Path, cfg: dict, *targets: str, env: dict | None = None) -> subprocess.Popen:
+    """The real workflow, in a session of its own, building `targets`."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "test-config.yaml").write_text(yaml.safe_dump(cfg))
-    cmd = [*SNAKEMAKE, target, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2",
+    cmd = [*SNAKEMAKE, *targets, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2",
            "--configfile", str(workdir / "test-config.yaml")]
     return subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
@@ -109,6 +107,11 @@ def find_job(run: subprocess.Popen, script: str, timeout: float = 300) -> psutil
     raise AssertionError(f"no job running {script} within {timeout} s")
 
 
+def text(path: Path) -> str:
+    """A job's log so far ("" before the job has made it)."""
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def wait_for(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -149,7 +152,7 @@ def kill_regenerate_job(tiny_deepseek: Path, workdir: Path, sig: signal.Signals)
         tree = Descendants(job.pid)
         log = workdir / "results/demo/logs/regenerate/shard-00000.log"
         # Killed while it generates: its engine core and worker are up and the progress bar has begun.
-        wait_for(lambda: len(vllm_below(job)) >= 2 and "regenerate:" in log.read_text(errors="replace"), 300,
+        wait_for(lambda: len(vllm_below(job)) >= 2 and "regenerate:" in text(log), 300,
                  "the regenerate job's engine generating")
         assert not (workdir / REGENERATED).exists(), "the job finished before it could be killed"
         assert len(tree.vllm()) >= 2, tree.seen
@@ -180,7 +183,7 @@ def kill_extract_job(tiny_deepseek: Path, workdir: Path, sig: signal.Signals) ->
         job = find_job(run, "extract.py")
         tree = Descendants(job.pid)
         log = workdir / "results/demo/logs/extract/shard-00000.log"
-        wait_for(lambda: "pausing until killed" in log.read_text(errors="replace"), 300,
+        wait_for(lambda: "pausing until killed" in text(log), 300,
                  "the extract job paused after its first batch")
         assert len(tree.vllm()) >= 2, tree.seen  # the server's engine core and worker, started by this job
         server = re.search(r"starting engine (\S+) on", log.read_text()).group(1)
@@ -219,3 +222,54 @@ def test_a_killed_regenerate_job_leaves_no_vllm_process(tiny_deepseek, tmp_path,
 ], ids=lambda s: s.name)
 def test_a_killed_extract_job_leaves_no_vllm_process_once_its_run_is_over(tiny_deepseek, tmp_path, sig):
     kill_extract_job(tiny_deepseek, tmp_path / "run", sig)
+
+
+def paused_extract(tiny_deepseek: Path, workdir: Path, keep_alive_s: float):
+    """(run, job, its tree, engine server) with the job paused after its first batch, holding its server."""
+    cfg = config(tiny_deepseek)
+    cfg["engine"]["keep_alive_s"] = keep_alive_s
+    run = start_run(workdir, cfg, EXTRACTED, env={PAUSE_ENV: "extract:batch_done"})
+    job = find_job(run, "extract.py")
+    tree = Descendants(job.pid)
+    log = workdir / "results/demo/logs/extract/shard-00000.log"
+    wait_for(lambda: "pausing until killed" in text(log), 300,
+             "the extract job paused after its first batch")
+    server, = [p for p, name in tree.seen.values() if "eagle3data.engine.server" in name]
+    return run, job, tree, server
+
+
+@pytest.mark.slow
+def test_an_engine_server_killed_takes_its_vllm_processes_with_it(tiny_deepseek, tmp_path):
+    run, job, tree, server = paused_extract(tiny_deepseek, tmp_path / "run", 600)
+    try:
+        below = vllm_below(server)
+        assert len(below) >= 2, below
+        server.kill()
+        _, left = psutil.wait_procs(below, timeout=GONE_WITHIN_S)
+        assert not left, left
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.communicate()
+        tree.stop()
+
+
+@pytest.mark.slow
+def test_an_engine_server_stops_soon_after_its_run_is_gone_for_good(tiny_deepseek, tmp_path):
+    """The whole run SIGKILLed (snakemake and its job, as a lost login or `kill -9` would): the engine
+    server, in a session of its own and kept for 600 s while its run lived, stops once idle for
+    ORPHAN_KEEP_ALIVE_S, and its vLLM processes with it."""
+    from eagle3data.engine.server import ORPHAN_KEEP_ALIVE_S
+
+    run, job, tree, server = paused_extract(tiny_deepseek, tmp_path / "run", 600)
+    try:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.communicate()
+        assert running(server)
+        assert_all_gone(tree, ORPHAN_KEEP_ALIVE_S + GONE_WITHIN_S, "the engine server of a run killed")
+        engine_log = next((tmp_path / "run/results/demo/logs/engine").glob("*.log")).read_text()
+        assert "the run that owns it" in engine_log and "stopped after 1 shards" in engine_log, engine_log[-3000:]
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+        tree.stop()
+
