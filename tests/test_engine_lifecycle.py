@@ -163,10 +163,10 @@ def kill_regenerate_job(tiny_deepseek: Path, workdir: Path, sig: signal.Signals)
         gone_after = time.monotonic() - killed_at
         tree.stop()
         out = finish(run)
-        text = log.read_text(errors="replace")
-        assert "regenerate job (pid" in text and "is gone; stopping the" in text, text[-3000:]
+        logged = log.read_text(errors="replace")
+        assert "regenerate job (pid" in logged and "is gone; stopping the" in logged, logged[-3000:]
         if sig != signal.SIGKILL:
-            assert f"received {sig.name}" in text, text[-3000:]
+            assert f"received {sig.name}" in logged, logged[-3000:]
         assert "Error in rule regenerate" in out, out[-3000:]
         print(f"{sig.name}: every process of the regenerate job gone {gone_after:.1f} s after the signal")
     finally:
@@ -196,9 +196,9 @@ def kill_extract_job(tiny_deepseek: Path, workdir: Path, sig: signal.Signals) ->
         print(f"{sig.name}: every process of the extract job gone {time.monotonic() - ended:.1f} s after its "
               f"run ended")
         tree.stop()
-        text = log.read_text(errors="replace")
+        logged = log.read_text(errors="replace")
         if sig != signal.SIGKILL:
-            assert f"received {sig.name}" in text, text[-3000:]
+            assert f"received {sig.name}" in logged, logged[-3000:]
         engine_log = next((workdir / "results/demo/logs/engine").glob(f"*{server}.log")).read_text()
         assert "stopping" in engine_log and "stopped after" in engine_log, engine_log[-3000:]
     finally:
