@@ -147,7 +147,10 @@ KILLS = [
 
 def test_runs_killed_anywhere_resume_to_the_uninterrupted_dataset(reference, tiny_deepseek, tmp_path):
     workdir = new_run(tmp_path / "run", 8)
-    (workdir / "test-config.yaml").write_text(yaml.safe_dump(small_config(tiny_deepseek)))
+    # keep_alive_s 0: the engine a killed run leaves stops at once instead of serving the next run (which
+    # it would, loaded with the killed run's kill point), so each run loads an engine of its own.
+    config = small_config(tiny_deepseek, engine={"batch_samples": 1, "keep_alive_s": 0})
+    (workdir / "test-config.yaml").write_text(yaml.safe_dump(config))
     finished: dict = {}
     for point, finished_after in KILLS:
         run_killed_at(workdir, point)
@@ -295,6 +298,7 @@ def test_appended_conversations_compute_only_the_new_samples(reference_copy, tin
     assert list(tokenized(workdir).index) == old_shard  # shard 00000 keeps its samples
     assert (stats(workdir)["reused"], stats(workdir)["computed"]) == (8, 0)
     assert "starting vllm" not in extract_log(workdir)
+    assert "this job uses it" not in extract_log(workdir)
     new = set(tokenized(workdir, "00001").index)
     assert len(new) == 4 and not new & set(old_shard)
     assert (stats(workdir, "00001")["reused"], stats(workdir, "00001")["computed"]) == (0, 4)

@@ -132,11 +132,9 @@ def test_the_readmes_example_rows_are_accepted():
     section = (REPO / "README.md").read_text().split("## Your model, your data")[1].split("```")[1]
     rows = [json.loads(line) for line in section.strip().splitlines()]
     messages = [normalize(row).messages for row in rows]
-    assert [m["role"] for m in messages[0]] == ["system", "user", "assistant"]
-    assert messages[1][-1] == {"role": "assistant", "content": "Paris."}
-    call = messages[2][1]["tool_calls"][0]["function"]
-    assert call == {"name": "get_weather", "arguments": '{"city": "Lyon"}'}
-    assert messages[2][2] == {"role": "tool", "content": "rain", "name": "get_weather"}
+    assert len(rows) == 2
+    assert messages[0] == messages[1] == [{"role": "user", "content": "Capital of France?"},
+                                          {"role": "assistant", "content": "Paris."}]
 
 
 def test_preflight_tells_which_parts_a_template_renders(smollm2):

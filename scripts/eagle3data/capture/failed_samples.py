@@ -62,5 +62,5 @@ def summary(extract_dir: str | Path) -> str:
     if not lines:
         return ""
     header = (f"{len(lines)} sample(s) failed in extract; `snakemake retry_failed` computes only them "
-              "(see docs/rerun.md):")
+              "(see docs/resume.md):")
     return "\n".join([header, *lines])

@@ -45,7 +45,7 @@ from eagle3data.engine.jobinfo import try_lock
 from eagle3data.engine.start import EngineError, check_schedulable
 from eagle3data.utils.logs import get_logger
 from eagle3data.storage.store import atomic_write_text
-from eagle3data.utils.testing import KILL_ENGINE_ENV
+from eagle3data.utils.testing import KILL_ENGINE_ENV, with_run_group
 
 logger = get_logger(__name__)
 
@@ -282,7 +282,7 @@ def start_server(key: str, spec: dict, claimed: dict[str, BinaryIO] | None, run_
     draining = try_lock(Path(entry.draining), shared=True)
     spec_path = scope / f"{server_id}.spec.json"
     atomic_write_text(spec_path, json.dumps({**spec, "entry": asdict(entry)}))
-    env = dict(os.environ)
+    env = with_run_group(dict(os.environ))
     if claimed is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(claimed)
     logger.info("starting engine %s on %s (GPUs %s); its log: %s", server_id, entry.node,

