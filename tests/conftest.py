@@ -37,8 +37,9 @@ def pytest_report_header(config: pytest.Config) -> str:
 # its module fixtures are built once), the longest modules are handed out first, so that the two workers
 # finish together (measured: figure 8's test first, the suite took 35:26 instead of 39:40 on an AVX2-only
 # AMD EPYC). The SLURM modules take turns: slurm_cluster.py.
-LONGEST_FIRST = ("test_acceptance", "test_incremental", "test_slurm_pipeline", "test_benchmark",
-                 "test_regenerate", "test_corruption_catalogue", "test_validation", "test_real_model")
+LONGEST_FIRST = ("test_incremental", "test_slurm_pipeline", "test_engine_lifecycle", "test_benchmark",
+                 "test_acceptance", "test_regenerate", "test_tensor_parallel", "test_validation",
+                 "test_corruption_catalogue", "test_real_model", "test_own_model")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
