@@ -33,6 +33,19 @@ def pytest_report_header(config: pytest.Config) -> str:
     return "eagle3-datagen: the fast set (tests marked slow deselected; --full runs them too, as CI does)"
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Which CPU gave the verdicts: kernels round differently with and without AMX tiles."""
+    import platform
+
+    import torch
+
+    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("model name")] if Path("/proc/cpuinfo").exists() else [platform.processor()]
+    amx = "yes" if torch.cpu._is_amx_tile_supported() else "no"
+    terminalreporter.write_line(f"eagle3-datagen: ran on {names[0] if names else 'an unknown CPU'} "
+                                f"(AMX tiles: {amx}), {os.cpu_count()} CPUs")
+
+
 # Under pytest-xdist's two workers (pyproject.toml: `--dist loadfile`, a module's tests in one worker, so
 # its module fixtures are built once), the longest modules are handed out first, so that the two workers
 # finish together (measured: figure 8's test first, the suite took 35:26 instead of 39:40 on an AVX2-only
