@@ -51,8 +51,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
 # finish together (measured: figure 8's test first, the suite took 35:26 instead of 39:40 on an AVX2-only
 # AMD EPYC). The SLURM modules take turns: slurm_cluster.py.
 LONGEST_FIRST = ("test_incremental", "test_slurm_pipeline", "test_engine_lifecycle", "test_benchmark",
-                 "test_acceptance", "test_regenerate", "test_tensor_parallel", "test_validation",
-                 "test_corruption_catalogue", "test_real_model", "test_own_model")
+                 "test_acceptance", "test_regenerate", "test_concurrent_runs", "test_tensor_parallel",
+                 "test_validation", "test_corruption_catalogue", "test_real_model", "test_own_model")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -8,7 +8,7 @@ import multiprocessing
 import datasets
 import pandas as pd
 import torch
-from conftest import REPO, run_snakemake
+from conftest import REPO, demo_config, run_snakemake
 from safetensors.torch import load_file
 
 from eagle3data import open_dataset
@@ -120,3 +120,18 @@ def test_rerun_has_nothing_to_do_and_report_renders(demo_run, tmp_path):
     report = tmp_path / "report.html"
     run_snakemake(demo_run, "--report", str(report))
     assert report.stat().st_size > 10_000
+
+
+def test_a_run_whose_every_sample_is_skipped_ends_with_its_counts_and_report(tmp_path, tiny_deepseek):
+    """No sample to extract (no conversation has an answer to train on): no engine starts, the run
+    succeeds, and its counts and report say why every conversation was skipped."""
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}?"}]} for i in range(3)]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = demo_config(input=str(tmp_path / "chats.jsonl"),
+                         model={"path": str(tiny_deepseek), "build_demo": False})
+    proc = run_snakemake(tmp_path, config=config)
+    assert "starting engine" not in proc.stdout + proc.stderr
+    counts = json.loads((tmp_path / RUN / "dataset.counts.json").read_text())
+    assert (counts["conversations_in"], counts["packed"], counts["skipped"]) == (3, 0, 3), counts
+    summary = (tmp_path / RUN / "report/summary.html").read_text()
+    assert "samples skipped" in summary and (tmp_path / RUN / "report/capture_norms.svg").stat().st_size > 0

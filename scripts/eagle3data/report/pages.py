@@ -72,7 +72,10 @@ def write_report(counts: str, tokenized: list[str], states: list[str], stats: li
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     order = manifest.drop_duplicates("capture").sort_values("slot")["capture"].tolist()
-    ax.boxplot([manifest.loc[manifest.capture == c, "mean_norm"] for c in order], tick_labels=order)
+    if order:
+        ax.boxplot([manifest.loc[manifest.capture == c, "mean_norm"] for c in order], tick_labels=order)
+    else:  # every sample was skipped: the report still says why
+        ax.text(0.5, 0.5, "no states: no sample was extracted", ha="center", va="center", transform=ax.transAxes)
     ax.set(ylabel="mean L2 norm per token", title="Hidden-state norms by capture")
     fig.tight_layout()
     fig.savefig(out.norms)
