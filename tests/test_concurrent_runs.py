@@ -21,10 +21,10 @@ from test_engine_lifecycle import GONE_WITHIN_S, Descendants, assert_all_gone, c
 
 pytestmark = pytest.mark.slow
 
-SHARDS = 2
+CONVERSATIONS = 4  # one shard a run: each run's jobs meet the other's engine or job
 
 
-def run_dir(workdir: Path, conversations: int = 8) -> Path:
+def run_dir(workdir: Path, conversations: int = CONVERSATIONS) -> Path:
     workdir.mkdir(parents=True)
     lines = [line for line in DEMO_CONVERSATIONS.read_text().splitlines() if line.strip()]
     (workdir / "conversations.jsonl").write_text("\n".join(lines[:conversations]) + "\n")
@@ -38,7 +38,7 @@ def logs(workdir: Path, stage: str) -> str:
 def test_two_runs_side_by_side_on_one_gpu_both_finish_and_every_engine_is_accounted_for(tiny_deepseek, tmp_path,
                                                                                           monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    common = dict(input="conversations.jsonl", shard_size=8 // SHARDS)
+    common = dict(input="conversations.jsonl", shard_size=CONVERSATIONS)
     extract_only = config(tiny_deepseek, **common)
     extract_only["engine"].update(cpu_job_gpus=1, keep_alive_s=600)
     regenerating = config(tiny_deepseek, **common,
@@ -74,7 +74,7 @@ def test_two_runs_side_by_side_on_one_gpu_both_finish_and_every_engine_is_accoun
             why = re.search(rf"stopped idle engine {re.escape(server)} on \S+ \(started by .*?\): (.*)", stoppers)
             assert why, f"engine {server}: no log says why it stopped"
             assert why.group(1) in ("its run is done", "it holds GPUs this job needs"), why.group(0)
-        assert served == SHARDS, (workdir.name, served, started)
+        assert served == 1, (workdir.name, served, started)
         assert "Error in rule" not in outputs[workdir]
 
     for tree in trees:  # engines, their vLLM processes and the jobs' reapers: gone with the runs
