@@ -35,14 +35,14 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """Which CPU gave the verdicts: kernels round differently with and without AMX tiles."""
-    import platform
+    import re
 
     import torch
 
-    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-             if line.startswith("model name")] if Path("/proc/cpuinfo").exists() else [platform.processor()]
+    cpuinfo = Path("/proc/cpuinfo")
+    found = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text() if cpuinfo.exists() else "", re.M)
     amx = "yes" if torch.cpu._is_amx_tile_supported() else "no"
-    terminalreporter.write_line(f"eagle3-datagen: ran on {names[0] if names else 'an unknown CPU'} "
+    terminalreporter.write_line(f"eagle3-datagen: ran on {found.group(1) if found else 'an unknown CPU'} "
                                 f"(AMX tiles: {amx}), {os.cpu_count()} CPUs")
 
 

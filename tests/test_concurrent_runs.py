@@ -16,19 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEMO_CONVERSATIONS
 from test_engine_lifecycle import GONE_WITHIN_S, Descendants, assert_all_gone, config, start_run
+from test_incremental import new_run
 
 pytestmark = pytest.mark.slow
 
 CONVERSATIONS = 4  # one shard a run: each run's jobs meet the other's engine or job
-
-
-def run_dir(workdir: Path, conversations: int = CONVERSATIONS) -> Path:
-    workdir.mkdir(parents=True)
-    lines = [line for line in DEMO_CONVERSATIONS.read_text().splitlines() if line.strip()]
-    (workdir / "conversations.jsonl").write_text("\n".join(lines[:conversations]) + "\n")
-    return workdir
 
 
 def logs(workdir: Path, stage: str) -> str:
@@ -46,7 +39,7 @@ def test_two_runs_side_by_side_on_one_gpu_both_finish_and_every_engine_is_accoun
                                       "truncated": "keep"})  # the random model never ends a reply
     regenerating["engine"].update(cpu_job_gpus=1, keep_alive_s=600, batch_samples=2)
 
-    a, b = run_dir(tmp_path / "a"), run_dir(tmp_path / "b")
+    a, b = new_run(tmp_path / "a", CONVERSATIONS), new_run(tmp_path / "b", CONVERSATIONS)
     runs = {a: start_run(a, extract_only), b: start_run(b, regenerating)}
     trees = [Descendants(run.pid) for run in runs.values()]  # every process the runs start
     outputs = {workdir: run.communicate(timeout=1200)[0] for workdir, run in runs.items()}

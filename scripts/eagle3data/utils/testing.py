@@ -72,11 +72,13 @@ def with_run_group(env: dict) -> dict:
 def kill_point(name: str) -> None:
     """SIGKILL this process group (and the run's), or wait to be killed, if the hooks name this point."""
     if spec := _reached_nth(KILL_ENV, name):
-        groups = [os.getpgrp(), int(os.environ.get(KILL_GROUP_ENV, os.getpgrp()))]
-        print(f"{KILL_ENV}={spec}: killing process groups {sorted(set(groups))} at {name}", file=sys.stderr,
+        own = os.getpgrp()
+        run = int(os.environ.get(KILL_GROUP_ENV, own))
+        print(f"{KILL_ENV}={spec}: killing process groups {sorted({run, own})} at {name}", file=sys.stderr,
               flush=True)
-        for group in sorted(set(groups), key=lambda g: g == os.getpgrp()):  # its own group last
-            os.killpg(group, signal.SIGKILL)
+        if run != own:
+            os.killpg(run, signal.SIGKILL)
+        os.killpg(own, signal.SIGKILL)  # last: this process is in it
     if spec := _reached_nth(PAUSE_ENV, name):
         print(f"{PAUSE_ENV}={spec}: {PAUSED} at {name}", file=sys.stderr, flush=True)
         while True:
