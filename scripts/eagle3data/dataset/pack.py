@@ -221,7 +221,8 @@ def pack_shard(job: ShardPackJob) -> dict:
     compression = None
     if fmt.is_compressed(meta):
         settings = meta["compression"]
-        compression = Compression(settings["codec"], settings["level"], job.threads)
+        # One Blosc2 thread a sample: the job's threads compress that many samples side by side.
+        compression = Compression(settings["codec"], settings["level"], 1)
     _remove_outdated(job.dataset, job.dataset_counts)
     check_room([job.states], job.arrow, job.storage, "the packed shard")
     began = time.perf_counter()

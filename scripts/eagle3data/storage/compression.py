@@ -77,8 +77,7 @@ class Compression:
 
     def encode(self, states: np.ndarray) -> bytes:
         """One row's states (C-contiguous, their storage dtype) as a Blosc2 frame."""
-        import blosc2
-
+        blosc2 = _blosc2()
         if not self.enabled:
             raise ValueError("encode: codec none stores raw values, no frame")
         if not states.flags.c_contiguous:
@@ -106,6 +105,15 @@ def frame_bytes(frame) -> int:
         return -1
 
 
+def _blosc2():
+    """Blosc2, set to release the GIL while it (de)compresses: pack's reader threads then compress
+    side by side and read the next files meanwhile."""
+    import blosc2
+
+    blosc2.set_releasegil(True)
+    return blosc2
+
+
 STORAGE_BY_SIZE = {2: np.dtype(np.uint16), 4: np.dtype(np.float32)}  # dataset.STORAGE_DTYPES by value size
 
 
@@ -114,8 +122,7 @@ def decode(frame, n_captures: int, hidden_size: int, dtype: np.dtype | None = No
     """A row's states `[L, n_captures, hidden_size]` from its frame (any bytes-like object: an Arrow
     buffer is read in place), in new memory of `dtype` (default: the storage dtype of the frame's value
     size); `threads` Blosc2 threads (default: Blosc2's, the cores)."""
-    import blosc2
-
+    blosc2 = _blosc2()
     try:
         chunked = blosc2.schunk_from_cframe(frame, copy=False)
     except Exception as exc:  # noqa: BLE001
@@ -126,9 +133,19 @@ def decode(frame, n_captures: int, hidden_size: int, dtype: np.dtype | None = No
         raise FrameError(f"a frame of {chunked.nbytes} bytes of {chunked.typesize}-byte values is no "
                          f"[L, {n_captures}, {hidden_size}] {dtype}")
     out = np.empty((chunked.nbytes // row, n_captures, hidden_size), dtype=dtype)
-    # One thread a block at most: a context with more threads starts them for every row (~ms a row).
-    blocks = -(-chunked.nbytes // BLOCK_BYTES)
-    chunked.dparams = blosc2.DParams(nthreads=max(1, min(threads or blosc2.nthreads, blocks)))
-    if out.size:
-        chunked.get_slice(0, None, out=out.reshape(-1).view(np.uint8))
+    flat, start = out.reshape(-1).view(np.uint8), 0
+    for n in range(chunked.nchunks):
+        # Chunk by chunk with decompress2, which releases the GIL (the frame's own readers hold it): a
+        # trainer's reader threads decode rows side by side. One thread a block at most: a context with
+        # more threads starts them for every call (~ms).
+        chunk = chunked.get_chunk(n)
+        nbytes, _, blocksize = blosc2.get_cbuffer_sizes(chunk)
+        workers = max(1, min(threads or blosc2.nthreads, -(-nbytes // blocksize)))
+        try:
+            blosc2.decompress2(chunk, dst=flat[start : start + nbytes], nthreads=workers)
+        except (ValueError, RuntimeError) as exc:
+            raise FrameError(f"chunk {n} of a frame does not decompress: {exc}") from exc
+        start += nbytes
+    if start != chunked.nbytes:
+        raise FrameError(f"a frame's chunks hold {start} bytes, its header says {chunked.nbytes}")
     return out
