@@ -129,8 +129,10 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
     exports = bool({"10", "11"} & set(args.figures.split(",")))
     result = measure_end_to_end(work / "e2e", args.model, scale.e2e_conversations, engine,
                                 parse_capture_arg(args.captures), os.cpu_count(), scale.e2e_shards, exports,
-                                args.jobs_per_engine, args.transport_dir)
+                                args.jobs_per_engine, args.transport_dir, args.codec)
     jobs = f", {args.jobs_per_engine} extract jobs side by side" if args.device == "cuda" else ""
+    if args.codec != "none":
+        jobs += f", states stored with {args.codec}"
     if args.transport_dir:
         jobs += (f", per-sample files on {args.transport_dir} (peak "
                  f"{result['footprint']['transport_peak_bytes'] / 1e9:.1f} GB of memory)")
@@ -153,7 +155,8 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
         return result, figures
     disk = result["footprint"]
     gb = {k: f"{v / 1e9:.3f} GB" for k, v in disk.items() if isinstance(v, (int, float))}
-    where = (f"dataset {gb['dataset_bytes']}, per-sample store beyond it {gb['store_bytes']} "
+    where = (f"dataset {gb['dataset_bytes']} (states stored with codec {args.codec}; raw "
+             f"{disk['raw_state_bytes'] / 1e9:.3f} GB), per-sample store beyond it {gb['store_bytes']} "
              f"(storage.drop_packed_states), exports' own bytes {gb['exports_own_bytes']} (both with "
              f"states: reader)")
     return result, figures + [
@@ -206,6 +209,9 @@ def storage_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
                  f"{kimi['dataset_bytes_per_token'] / kimi['raw_state_bytes_per_token']:.4f}" if kimi else "")
     rates = {name: {k: v / 1e9 for k, v in by.items()} for name, by in r["readers"]["bytes_per_second"].items()}
     c, raw = rates["compressed"], rates["raw"]
+    kimi_rows = (f"; Kimi-shaped rows [512, 4, 7168] (figure 3's datasets): open_dataset "
+                 + " / ".join(f"{v / 1e9:.2f}" for v in kimi["open_dataset_rates"].values())
+                 if kimi else "")
     return r, [
         judged("6", "storage", real["stored_over_raw"], "<= 0.72",
                f"SmolLM2-135M-Instruct's real bf16 states ({real['samples']} samples, {real['tokens']} tokens, "
@@ -218,7 +224,7 @@ def storage_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
                f"GB/s of raw states through speculators' reader (eagle3data backend) on the compressed "
                f"dataset, from the page cache, {r['blosc2_threads']} Blosc2 threads; uncompressed "
                f"{raw['speculators']:.2f}; SpecForge's reader {c['specforge']:.2f} / {raw['specforge']:.2f}; "
-               f"open_dataset {c['open_dataset']:.2f} / {raw['open_dataset']:.2f} (compressed / raw)"),
+               f"open_dataset {c['open_dataset']:.2f} / {raw['open_dataset']:.2f} (compressed / raw){kimi_rows}"),
     ]
 
 
@@ -277,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="figure 7 on a GPU: --resources gpu=<this x tensor parallel size>")
     parser.add_argument("--transport-dir", default="",
                         help="figure 7's storage.transport_dir (a RAM disk: the disk takes each state byte once)")
+    parser.add_argument("--codec", default="none", choices=["none", "zstd", "lz4"],
+                        help="storage.compression.codec of figure 7's run (and so of 10 and 11)")
     parser.add_argument("--work", default="results/benchmark", help="scratch directory (emptied first)")
     parser.add_argument("--out", help="write the JSON here")
     args = parser.parse_args(argv)

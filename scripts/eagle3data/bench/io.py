@@ -173,6 +173,29 @@ def stage_in_child(stage: str, settings: Settings, shards: list[Shard], out_dir:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def open_dataset_rate(dataset: Path, repeats: int) -> float:
+    """Raw state bytes a second that `open_dataset` gives back from `dataset`'s rows, warm (figure 12's
+    protocol on Kimi-shaped rows): as many reader threads as cores, as a trainer's DataLoader workers,
+    torch at one thread; the best of `repeats` passes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eagle3data.dataset.format import open_dataset
+
+    ds, threads = open_dataset(dataset), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            raw = sum(s["hidden_states"].nbytes for s in pool.map(ds.__getitem__, range(len(ds))))
+            seconds = []
+            for _ in range(repeats):
+                began = time.perf_counter()
+                list(pool.map(ds.__getitem__, range(len(ds))))
+                seconds.append(time.perf_counter() - began)
+    finally:
+        torch.set_num_threads(threads)
+    return raw / min(seconds)
+
+
 def dataset_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -231,6 +254,8 @@ def measure(work: Path, shards: int, samples: int, tokens: int, repeats: int) ->
         "dataset_bytes": dataset_bytes(work / "dataset-4x"), "packed_tokens": packed_tokens,
         "dataset_bytes_per_token": dataset_bytes(work / "dataset-4x") / packed_tokens,
         "raw_state_bytes_per_token": raw_per_token,
+        "open_dataset_rates": {"compressed": open_dataset_rate(work / "dataset-4x", repeats),
+                               "raw": open_dataset_rate(work / "dataset-raw", repeats)},
     }
 
 

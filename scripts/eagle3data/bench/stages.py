@@ -152,13 +152,13 @@ def footprint(run: Path) -> dict:
 
 def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict, captures: list[dict],
                        cores: int, shards: int, exports: bool, jobs_per_engine: int = 1,
-                       transport_dir: str = "") -> dict:
+                       transport_dir: str = "", codec: str = "none") -> dict:
     """One whole run (tokenize, extract, validate, pack, report) of demo-like conversations in `shards`
     shards, the model already built: tokens packed per wall second, from the start and from the moment
     the first extract job had its engine ready to the packed dataset, and the engine loads it took (one:
     the node's engine serves every shard). On a GPU `jobs_per_engine` extract jobs run side by side (one
     computes, the others prepare and queue for the engine). `transport_dir`: storage.transport_dir (its
-    peak is measured apart: memory, not disk). With `exports`, then both trainer exports, for the
+    peak is measured apart: memory, not disk); `codec`: storage.compression.codec. With `exports`, then both trainer exports, for the
     footprint after them."""
     work.mkdir(parents=True, exist_ok=True)
     from eagle3data.model.info import read_model_info
@@ -170,7 +170,8 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     config["model"].update(path=str(Path(model).resolve()), build_demo=False, hidden_size=info.hidden_size,
                            num_hidden_layers=info.num_hidden_layers)
     config["engine"].update(engine)
-    config["storage"] = {"drop_packed_states": True, "transport_dir": transport_dir}  # one copy, as Kimi's
+    config["storage"] = {"drop_packed_states": True, "transport_dir": transport_dir,  # one copy, as Kimi's
+                         "compression": {"codec": codec}}
     # The trainers read the packed states in place (exports/speculators_reader.py, exports/specforge_reader.py).
     config["export"] = {"speculators": {"states": "reader"}, "specforge": {"states": "reader"}}
     (work / "config.yaml").write_text(yaml.safe_dump(config))
@@ -195,6 +196,7 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     if exports:  # the footprint of a run with the trainer exports (not timed: figure 7 ends at the dataset)
         snakemake(work, work / "config.yaml", "--cores", str(cores), "export_speculators", "export_specforge")
     disk = footprint(run)
+    disk["raw_state_bytes"] = json.loads((run / "dataset.counts.json").read_text())["states_bytes"]
     peak_bytes = max(peak.stop(), pipeline_peak, disk["run_bytes"])
     if transport:
         disk["transport_peak_bytes"] = transport_peak.stop()
