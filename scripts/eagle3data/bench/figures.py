@@ -25,6 +25,7 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from eagle3data.bench import REPO
 from eagle3data.bench.crosscheck import parse_capture_arg, parse_engine_args
 
 DEMO_MODEL = "resources/demo-model"
@@ -255,6 +256,16 @@ def load_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, 
     return r, [judged("9", "load", r["ratios"][0], "<= 1.5", describe(r))]
 
 
+def commit() -> str:
+    """The checkout's commit (the measurement index's commit column), `-dirty` when files differ from it;
+    "" outside a git checkout (the GPU kit's copy)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    return head + ("-dirty" if head and git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 GROUPS = {  # name: (figures it yields, function(args, scale, work, measured so far)), in order
     "planning": (("5",), planning_figures),
     "tokenize": (("4",), tokenize_figures),
@@ -301,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         from eagle3data.bench.stages import DEMO
 
         build_demo_model(DEMO, Path(args.model))
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit(), "host": platform.node(),
+              "cpus": os.cpu_count(),
               "python": platform.python_version(), "scale": asdict(scale), "args": vars(args),
               "measurements": {}, "errors": {}}
     figures: list[Figure] = []
