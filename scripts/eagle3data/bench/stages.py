@@ -158,8 +158,8 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
     the first extract job had its engine ready to the packed dataset, and the engine loads it took (one:
     the node's engine serves every shard). On a GPU `jobs_per_engine` extract jobs run side by side (one
     computes, the others prepare and queue for the engine). `transport_dir`: storage.transport_dir (its
-    peak is measured apart: memory, not disk); `codec`: storage.compression.codec. With `exports`, then both trainer exports, for the
-    footprint after them."""
+    peak is measured apart: memory, not disk); `codec`: storage.compression.codec. With `exports`, then
+    both trainer exports, for the footprint after them."""
     work.mkdir(parents=True, exist_ok=True)
     from eagle3data.model.info import read_model_info
 
