@@ -134,7 +134,6 @@ def reference_copy(reference, tmp_path) -> Path:
 # (kill point, finished samples in the store after the kill, given those before it). Each run starts
 # where the last one died.
 KILLS = [
-    ("extract:engine_ready", lambda before: {0}),  # the engine is up, no sample computed yet
     # Mid-shard: the third batch's (one sample's) generate() returned. The engine writes a request's file
     # at its next step, which the next batch's generate() runs: the second file is there, the third may be.
     ("extract:batch_done#3", lambda before: {2, 3}),
