@@ -99,6 +99,14 @@ def run_snakemake(workdir: Path, *args: str, config: dict | None = None, check: 
     return proc
 
 
+def stored_tensors(path: Path) -> dict:
+    """A store file's `hidden_states` (its dtype) and `token_ids`, the states decompressed where the
+    connector wrote them compressed (storage.compression)."""
+    from eagle3data.contracts.measuring import load_stored
+
+    return load_stored(str(path))
+
+
 def built_once(tmp_path_factory, name: str, build) -> Path:
     """`build(path)` run once for the whole test session: the first pytest-xdist worker to ask builds under
     a file lock in the directory the workers share, the other waits and uses the result (read only). A

@@ -1,6 +1,9 @@
 """The benchmark command in its smallest mode: one line per figure, last, and the same figures as JSON.
 
-Timings are never asserted (this machine is shared and noisy); only that every figure was measured.
+Timings are never asserted (this machine is shared and noisy); only that every figure asked for was
+measured. Figures 6 and 12 (two real runs, ~3 minutes) and 9 (two engine starts, meaningless on a CPU)
+are left to the benchmark command itself: the full test set has a time budget; compression and the
+readers they measure are tested on their own (tests/test_compression.py, tests/test_real_model.py).
 """
 
 from __future__ import annotations
@@ -16,24 +19,26 @@ from conftest import REPO
 from eagle3data.bench.figures import NAMES
 
 pytestmark = pytest.mark.slow
+ASKED = {f: name for f, name in NAMES.items() if f not in ("6", "12", "9")}
 
 
 def test_quick_benchmark_prints_and_writes_every_figure(tmp_path):
     out = tmp_path / "bench.json"
     work = os.path.relpath(tmp_path / "work", REPO)  # relative, as the default is: the Snakemake runs chdir
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle3data.bench", "--quick", "--work", work, "--out", str(out)],
+        [sys.executable, "-m", "eagle3data.bench", "--quick", "--figures", ",".join(ASKED), "--work", work,
+         "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=1800,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    lines = proc.stdout.strip().splitlines()[-len(NAMES):]
-    assert [line.split()[:3] for line in lines] == [["figure", f, name] for f, name in NAMES.items()]
+    lines = proc.stdout.strip().splitlines()[-len(ASKED):]
+    assert [line.split()[:3] for line in lines] == [["figure", f, name] for f, name in ASKED.items()]
     for line in lines:
         assert line.split()[3] != "-" and ("PASS" in line or "FAIL" in line or "goal none" in line)
     report = json.loads(out.read_text())
-    assert [(f["figure"], f["name"]) for f in report["figures"]] == list(NAMES.items())
+    assert [(f["figure"], f["name"]) for f in report["figures"]] == list(ASKED.items())
     assert all(isinstance(f["value"], float) for f in report["figures"]) and not report["errors"]
-    assert set(report["measurements"]) == {"planning", "tokenize", "io", "extract", "end_to_end", "load", "storage"}
+    assert set(report["measurements"]) == {"planning", "tokenize", "io", "extract", "end_to_end"}
     # Figure 7's run has several shards and one engine load: the node's engine serves them all.
     end_to_end = report["measurements"]["end_to_end"]
     assert end_to_end["shards"] > 1 and end_to_end["engine_loads"] == 1, end_to_end
@@ -54,5 +59,3 @@ def test_quick_benchmark_prints_and_writes_every_figure(tmp_path):
     values = {f["figure"]: f["value"] for f in report["figures"]}
     assert values["10"] == disk["peak_bytes"] / disk["dataset_bytes"]
     assert values["11"] == disk["run_bytes"] / disk["dataset_bytes"]
-    # Figure 9 measured vLLM's default loader.
-    assert report["measurements"]["load"]["load_format"] == "auto"

@@ -17,8 +17,7 @@ import textwrap
 import pandas as pd
 import pytest
 import torch
-from conftest import with_defaults
-from safetensors.torch import load_file
+from conftest import stored_tensors, with_defaults
 
 from eagle3data.bench.crosscheck import load_reference_model, reference_states
 from eagle3data.contracts.layers import parse_captures
@@ -74,7 +73,7 @@ def extract(tmp_path, model, prompts, captures, max_seq_len=1024, dtype="float32
     proc = subprocess.run([sys.executable, str(script), json.dumps(args)], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
-    states = {sid: load_file(str(sample_path(store, sid))) for sid in prompts}
+    states = {sid: stored_tensors(sample_path(store, sid)) for sid in prompts}  # compressed: the default
     for sid, ids in prompts.items():
         assert states[sid]["token_ids"].tolist() == ids
     return {sid: s["hidden_states"] for sid, s in states.items()}, proc.stderr

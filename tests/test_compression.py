@@ -16,6 +16,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pytest
 import torch
@@ -24,8 +25,10 @@ from safetensors.torch import load_file
 
 from eagle3data import decode_states, open_dataset, read_metadata
 from eagle3data.bench.io import write_shards
+from eagle3data.contracts.reading import load_states
+from eagle3data.contracts.failures import BoundaryError
 from eagle3data.dataset.check import DatasetCheckError, check_dataset
-from eagle3data.storage.compression import Compression, FrameError, decode, frame_bytes
+from eagle3data.storage.compression import FRAME_TENSOR, Compression, FrameError, decode, frame_bytes
 from eagle3data.dataset.pack import PackJob, run as pack
 from eagle3data.dataset.packed import restore_missing
 from eagle3data.config.settings import Settings
@@ -58,25 +61,70 @@ def test_a_frame_gives_back_every_value_in_any_size_and_dtype(monkeypatch):
     assert frame_bytes(b"\0" * 64) == -1
 
 
+def codec_settings(model: Path, codec: str) -> Settings:
+    return Settings(with_defaults(demo_config(model={"path": str(model), "build_demo": False},
+                                              storage={"compression": {"codec": codec, "level": 1, "threads": 2}})))
+
+
+def validated_shard(settings: Settings, work: Path, samples: int, read_states: bool = False):
+    """A synthetic shard whose files the connector wrote compressed with zstd, validated."""
+    shard = write_shards(settings, work, 1, samples, TOKENS, Compression("zstd"))[0]
+    validate(ValidateJob(shard.tokenized, shard.extract_manifest, shard.states, shard.quarantined,
+                         str(work / "quarantine"), settings.expected, settings.model.vocab_size,
+                         {"max_seq_len": 512, "min_seq_len": 8}, read_states=read_states))
+    return shard
+
+
+def pack_shard(shard, settings: Settings, out: Path, samples: int) -> None:
+    pack(PackJob([shard.tokenized], [shard.skipped], [shard.states], [shard.quarantined], str(out),
+                 str(out) + ".counts.json", samples, settings.dataset_metadata(), threads=2))
+
+
 @pytest.fixture(scope="module")
 def packed(tiny_deepseek, tmp_path_factory) -> dict[str, Path]:
-    """The same validated synthetic shard packed compressed and raw: {codec: work directory}."""
+    """The same validated shard of compressed files packed compressed and raw: {codec: work directory}."""
     work = tmp_path_factory.mktemp("compression")
-    settings = {}
-    for codec in ("zstd", "none"):
-        config = demo_config(model={"path": str(tiny_deepseek), "build_demo": False},
-                             storage={"compression": {"codec": codec, "level": 1, "threads": 2}})
-        settings[codec] = Settings(with_defaults(config))
-    shard = write_shards(settings["zstd"], work, 1, SAMPLES, TOKENS)[0]
-    expected = settings["zstd"].expected
-    validate(ValidateJob(shard.tokenized, shard.extract_manifest, shard.states, shard.quarantined,
-                         str(work / "quarantine"), expected, settings["zstd"].model.vocab_size,
-                         {"max_seq_len": 512, "min_seq_len": 8}))
+    settings = {codec: codec_settings(tiny_deepseek, codec) for codec in ("zstd", "none")}
+    shard = validated_shard(settings["zstd"], work, SAMPLES)
     for codec, s in settings.items():
-        out = work / codec / "dataset"
-        pack(PackJob([shard.tokenized], [shard.skipped], [shard.states], [shard.quarantined], str(out),
-                     str(out) + ".counts.json", SAMPLES, s.dataset_metadata(), threads=2))
+        pack_shard(shard, s, work / codec / "dataset", SAMPLES)
     return {codec: work / codec for codec in settings} | {"store": work / "store", "model": tiny_deepseek}
+
+
+def test_pack_stores_the_engines_frames_as_they_are_and_refuses_one_changed_since_validate(packed, tmp_path):
+    """The zstd dataset's rows are the store files' frames, byte for byte (decompressed and checked
+    against the CRCs validate recorded, not compressed again); validate measuring every byte of a
+    compressed file finds the facts the writer put in its header; a frame changed after validate is
+    refused, naming the sample."""
+    table = datasets.load_from_disk(str(packed["zstd"] / "dataset")).with_format("arrow")[:]
+    for sid, frame in zip(table["sample_id"].to_pylist(), table["hidden_states"].to_pylist()):
+        assert load_file(str(sample_path(packed["store"], sid)))[FRAME_TENSOR].numpy().tobytes() == frame
+    settings = codec_settings(packed["model"], "zstd")
+    shard = validated_shard(settings, tmp_path / "measured", 2)
+    written = pd.read_parquet(shard.states)
+    validate(ValidateJob(shard.tokenized, shard.extract_manifest, shard.states, shard.quarantined,
+                         str(tmp_path / "quarantine"), settings.expected, settings.model.vocab_size,
+                         {"max_seq_len": 512, "min_seq_len": 8}, read_states=True))
+    pd.testing.assert_frame_equal(pd.read_parquet(shard.states), written)
+    assert len(written) == 8
+    shard = validated_shard(settings, tmp_path / "changed", 3)
+    files = pd.read_parquet(shard.extract_manifest)
+    sid, path = files.iloc[1][["sample_id", "path"]]
+    original = Path(path).read_bytes()
+    data = bytearray(original)
+    for at in range(len(data) - 200, len(data) - 100):  # inside the frame (token_ids come first)
+        data[at] ^= 0x5A
+    Path(path).write_bytes(data)
+    with pytest.raises(BoundaryError) as refused:
+        pack_shard(shard, settings, tmp_path / "changed" / "dataset", 3)
+    assert f"sample {sid} | check checksums == validated checksums" in str(refused.value)
+    assert "a frame whose CRC" in str(refused.value) and not (tmp_path / "changed" / "dataset").exists()
+    shutil.copyfile(files.iloc[2]["path"], path)  # another whole file, its header true to its own frame
+    with pytest.raises(BoundaryError) as refused:
+        pack_shard(shard, settings, tmp_path / "changed" / "dataset", 3)
+    assert f"sample {sid} | check checksums == validated checksums" in str(refused.value)
+    Path(path).write_bytes(original)
+    pack_shard(shard, settings, tmp_path / "changed" / "dataset", 3)
 
 
 def test_the_metadata_names_the_codec_and_the_bytes_are_fewer(packed):
@@ -99,17 +147,18 @@ def test_the_metadata_names_the_codec_and_the_bytes_are_fewer(packed):
 
 
 def test_every_reader_returns_the_same_tensors_with_and_without_compression(packed):
-    """open_dataset, load_from_disk + decode_states, and both bit for bit equal to the store's files."""
+    """open_dataset, load_from_disk + decode_states, and both bit for bit equal to the store's files (the
+    connector's compressed files: the zstd dataset holds their frames, the raw one their decoded values)."""
     rows = {codec: list(open_dataset(packed[codec] / "dataset")) for codec in ("zstd", "none")}
     assert [r["sample_id"] for r in rows["zstd"]] == [r["sample_id"] for r in rows["none"]]
     for codec in ("zstd", "none"):
         hf = datasets.load_from_disk(str(packed[codec] / "dataset"))
         meta = read_metadata(packed[codec] / "dataset")
         for i, (row, other) in enumerate(zip(rows[codec], rows["none" if codec == "zstd" else "zstd"])):
-            stored = load_file(str(sample_path(packed["store"], row["sample_id"])))["hidden_states"]
+            stored = torch.from_numpy(load_states(str(sample_path(packed["store"], row["sample_id"]))).view(np.int16))
             assert row["hidden_states"].dtype == torch.bfloat16 and row["hidden_states"].shape == (TOKENS, 4, 128)
             for tensor in (row["hidden_states"], other["hidden_states"], decode_states(hf[i]["hidden_states"], meta)):
-                assert torch.equal(tensor.view(torch.int16), stored.view(torch.int16))
+                assert torch.equal(tensor.view(torch.int16), stored)
             assert torch.equal(row["input_ids"], other["input_ids"]) and torch.equal(row["loss_mask"], other["loss_mask"])
         arrow = hf.with_format("arrow")[0:1]["hidden_states"][0]  # zero-copy Arrow scalar
         assert torch.equal(decode_states(arrow, meta), rows[codec][0]["hidden_states"])
@@ -146,9 +195,9 @@ def test_a_dropped_store_file_comes_back_from_the_compressed_shard_bit_for_bit(p
     ids = [r["sample_id"] for r in open_dataset(packed["zstd"] / "dataset")]
     assert restore_missing(store, store, ids, 4, 128, "bfloat16") == ids
     for sid in ids:
-        restored, original = (load_file(str(sample_path(d, sid))) for d in (store, packed["store"]))
-        assert torch.equal(restored["hidden_states"].view(torch.int16), original["hidden_states"].view(torch.int16))
-        assert torch.equal(restored["token_ids"], original["token_ids"])
+        restored, original = (sample_path(d, sid) for d in (store, packed["store"]))
+        assert np.array_equal(load_states(str(restored)), load_states(str(original)))
+        assert torch.equal(load_file(str(restored))["token_ids"], load_file(str(original))["token_ids"])
 
 
 def test_a_dataset_written_before_compression_still_loads(packed, tmp_path):

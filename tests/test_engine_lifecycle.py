@@ -29,6 +29,7 @@ REGENERATED = "results/demo/regenerated/shard-00000.jsonl"
 EXTRACTED = "results/demo/extract/shard-00000.parquet"
 KEEP_ALIVE_S = 5  # the extract runs' engine servers: idle this long, they stop
 GONE_WITHIN_S = 10  # after the job (or, for a server, its idle timeout): the reaper's poll and grace
+ORPHAN_S = 10  # the idle wait of an engine whose run is gone, shortened here (60 s in real runs)
 
 
 def config(model: Path, **overrides) -> dict:
@@ -224,17 +225,19 @@ def test_a_killed_extract_job_leaves_no_vllm_process_once_its_run_is_over(tiny_d
     kill_extract_job(tiny_deepseek, tmp_path / "run", sig)
 
 
-def paused_extract(tiny_deepseek: Path, workdir: Path, keep_alive_s: float):
+def paused_extract(tiny_deepseek: Path, workdir: Path, keep_alive_s: float, env: dict | None = None):
     """(run, job, its tree, engine server) with the job paused after its first batch, holding its server."""
     cfg = config(tiny_deepseek)
     cfg["engine"]["keep_alive_s"] = keep_alive_s
-    run = start_run(workdir, cfg, EXTRACTED, env={PAUSE_ENV: "extract:batch_done"})
+    run = start_run(workdir, cfg, EXTRACTED, env={PAUSE_ENV: "extract:batch_done", **(env or {})})
     job = find_job(run, "extract.py")
     tree = Descendants(job.pid)
     log = workdir / "results/demo/logs/extract/shard-00000.log"
     wait_for(lambda: "pausing until killed" in text(log), 300,
              "the extract job paused after its first batch")
-    server, = [p for p, name in tree.seen.values() if "eagle3data.engine.server" in name]
+    # The first process of that name: vLLM's engine core, forked from it, bears it too until it renames itself.
+    server = min((p for p, name in tree.seen.values() if "eagle3data.engine.server" in name),
+                 key=lambda p: p.create_time())
     return run, job, tree, server
 
 
@@ -257,15 +260,16 @@ def test_an_engine_server_killed_takes_its_vllm_processes_with_it(tiny_deepseek,
 def test_an_engine_server_stops_soon_after_its_run_is_gone_for_good(tiny_deepseek, tmp_path):
     """The whole run SIGKILLed (snakemake and its job, as a lost login or `kill -9` would): the engine
     server, in a session of its own and kept for 600 s while its run lived, stops once idle for
-    ORPHAN_KEEP_ALIVE_S, and its vLLM processes with it."""
-    from eagle3data.engine.server import ORPHAN_KEEP_ALIVE_S
+    ORPHAN_KEEP_ALIVE_S (here shortened to ORPHAN_S), and its vLLM processes with it."""
+    from eagle3data.engine.server import ORPHAN_KEEP_ALIVE_ENV
 
-    run, job, tree, server = paused_extract(tiny_deepseek, tmp_path / "run", 600)
+    run, job, tree, server = paused_extract(tiny_deepseek, tmp_path / "run", 600,
+                                            {ORPHAN_KEEP_ALIVE_ENV: str(ORPHAN_S)})
     try:
         os.killpg(run.pid, signal.SIGKILL)
         run.communicate()
         assert running(server)
-        assert_all_gone(tree, ORPHAN_KEEP_ALIVE_S + GONE_WITHIN_S, "the engine server of a run killed")
+        assert_all_gone(tree, ORPHAN_S + GONE_WITHIN_S, "the engine server of a run killed")
         engine_log = next((tmp_path / "run/results/demo/logs/engine").glob("*.log")).read_text()
         assert "the run that owns it" in engine_log and "stopped after 1 shards" in engine_log, engine_log[-3000:]
     finally:

@@ -15,11 +15,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import datasets
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import REPO, run_snakemake, with_defaults
+from conftest import REPO, run_snakemake, stored_tensors, with_defaults
 from safetensors.torch import load_file
 
 from eagle3data import open_dataset
@@ -27,6 +29,8 @@ from eagle3data.contracts.layers import eagle3_captures
 from eagle3data.bench.crosscheck import load_reference_model, reference_states
 from eagle3data.model.gguf import GgufSourceError, locate_gguf
 from eagle3data.contracts.layers import parse_captures
+from eagle3data.contracts.reading import load_states
+from eagle3data.storage.compression import FRAME_TENSOR
 from eagle3data.storage.store import sample_path
 
 SMOLLM2_YAML = REPO / "config" / "smollm2.yaml"
@@ -43,8 +47,8 @@ def smollm2_config(model: Path) -> dict:
     config["input"] = str(CONVERSATIONS)
     config["model"].update(path=str(model), from_gguf=None)
     config["regenerate"] = {"enabled": False}
-    # The states stored compressed (storage.compression, off by default), and the store keeps its raw
-    # files (the default drops them once packed): the compressed dataset is compared with them value by value.
+    # The states stored compressed (storage.compression's default, stated), and the store keeps its files
+    # (the default drops them once packed): the dataset's frames are compared with them byte by byte.
     config["storage"] = {"drop_packed_states": False, "compression": {"codec": "zstd"}}
     return config
 
@@ -189,7 +193,8 @@ def test_loss_masks_follow_the_chatml_template_token_by_token(smollm2_run, smoll
 def test_real_states_are_stored_compressed_at_most_0_72_of_raw_and_read_back_bit_for_bit(smollm2_run):
     """storage.compression's zstd (Blosc2, byte shuffle + zstd level 1) on the real target's bf16
     states: the packed dataset's files (ids and masks included) hold at most 0.72 of the raw state bytes,
-    and every value read back equals the store's raw file bit for bit (measured: 0.71)."""
+    and every value read back equals the store's file bit for bit (measured: 0.71). The engine's writer
+    threads wrote each store file compressed, and the dataset's row is that file's frame, byte for byte."""
     dataset = smollm2_run / "dataset"
     meta = json.loads((dataset / "eagle3_metadata.json").read_text())
     assert meta["compression"]["codec"] == "zstd" and meta["compression"]["library"] == "blosc2"
@@ -199,9 +204,13 @@ def test_real_states_are_stored_compressed_at_most_0_72_of_raw_and_read_back_bit
     assert stored <= 0.72 * raw, f"stored {stored} bytes of {raw} raw: {stored / raw:.4f}"
     manifests = pd.concat([pd.read_parquet(p) for p in (smollm2_run / "extract").glob("shard-?????.parquet")])
     paths = dict(zip(manifests["sample_id"], manifests["path"]))
+    frames = dict(zip(*(datasets.load_from_disk(str(dataset)).with_format("arrow")[:][c].to_pylist()
+                        for c in ("sample_id", "hidden_states"))))
     for row in ds:
-        file = load_file(str(smollm2_run.parent.parent / paths[row["sample_id"]]))["hidden_states"]
-        assert torch.equal(row["hidden_states"].view(torch.int16), file.view(torch.int16)), row["sample_id"]
+        path = str(smollm2_run.parent.parent / paths[row["sample_id"]])
+        file = torch.from_numpy(load_states(path).view(np.int16))
+        assert torch.equal(row["hidden_states"].view(torch.int16), file), row["sample_id"]
+        assert load_file(path)[FRAME_TENSOR].numpy().tobytes() == frames[row["sample_id"]], row["sample_id"]
 
 
 @pytest.mark.slow
@@ -262,7 +271,7 @@ def test_fp32_states_equal_transformers_hidden_states(smollm2_run, smollm2, fp32
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
     for sid, (ids, want) in fp32_states.items():
-        got = load_file(str(sample_path(tmp_path / "store", sid)))
+        got = stored_tensors(sample_path(tmp_path / "store", sid))  # compressed, the default
         assert got["token_ids"].tolist() == ids
         assert got["hidden_states"].dtype == torch.float32 and got["hidden_states"].shape == want.shape
         for slot, capture in enumerate(CAPTURES):
@@ -274,7 +283,7 @@ def test_fp32_states_equal_transformers_hidden_states(smollm2_run, smollm2, fp32
     sid, (ids, _) = next(iter(fp32_states.items()))
     with torch.no_grad():
         final = reference(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
-    got = load_file(str(sample_path(tmp_path / "store", sid)))["hidden_states"][:, -1]
+    got = stored_tensors(sample_path(tmp_path / "store", sid))["hidden_states"][:, -1]
     assert torch.allclose(reference.model.norm(got), final, atol=1e-4)
 
 

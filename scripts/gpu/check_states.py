@@ -11,8 +11,8 @@ import json
 import re
 from pathlib import Path
 
-from safetensors import safe_open
-from safetensors.torch import load_file
+from eagle3data.contracts.measuring import load_stored
+from eagle3data.contracts.states import file_facts
 
 
 def states_files(run: str) -> dict:
@@ -23,10 +23,9 @@ def shapes(args) -> dict:
     files = states_files(args.run)
     bad, full = [], 0
     for sid, path in files.items():
-        with safe_open(str(path), framework="pt") as f:
-            s = f.get_slice("hidden_states")
-            shape, dtype = list(s.get_shape()), s.get_dtype()
-        if shape[1:] != [args.captures, args.hidden] or dtype != "BF16" or shape[0] > args.seq:
+        facts = file_facts(sid, str(path), [])  # compressed or not: the states the file holds
+        shape, dtype = facts["shape"], facts["dtype"]
+        if shape[1:] != [args.captures, args.hidden] or dtype != "bfloat16" or shape[0] > args.seq:
             bad.append({"sample": sid, "shape": shape, "dtype": dtype})
         full += shape[0] == args.seq
     stats = [json.loads(p.read_text()) for p in Path("results", args.run, "extract").glob("*.stats.json")]
@@ -46,7 +45,7 @@ def compare(args) -> dict:
         return {"error": f"sample sets differ: {len(a)} vs {len(b)}, {len(set(a) ^ set(b))} unmatched"}
     worst = {}
     for sid in sorted(a):
-        x, y = load_file(str(a[sid])), load_file(str(b[sid]))
+        x, y = load_stored(str(a[sid])), load_stored(str(b[sid]))
         assert x["token_ids"].tolist() == y["token_ids"].tolist(), sid
         for slot in range(x["hidden_states"].shape[1]):
             u, v = x["hidden_states"][:, slot].float(), y["hidden_states"][:, slot].float()
@@ -66,8 +65,8 @@ def stores(args) -> dict:
         return {"error": f"sample sets differ or are empty: {len(a)} vs {len(b)}"}
     differing = {}
     for sid in sorted(a):
-        difference = states_difference(load_file(str(a[sid]))["hidden_states"],
-                                       load_file(str(b[sid]))["hidden_states"])
+        difference = states_difference(load_stored(str(a[sid]))["hidden_states"],
+                                       load_stored(str(b[sid]))["hidden_states"])
         if difference:
             differing[sid] = difference
     return {"samples": len(a), "differing": len(differing), "first": dict(list(differing.items())[:3])}

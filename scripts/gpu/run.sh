@@ -102,7 +102,7 @@ case "$what" in
     ;;
   figures)  # figures 1 and 7 through the benchmark command: 8B Llama shape (dummy weights), TP1; figure 1's
             # prompts (FIGURE1_PROMPTS, 2048), figure 7's shards (FIGURE7_SHARDS, 8) and its extract jobs
-            # side by side (JOBS_PER_ENGINE, 2), the states' codec (CODEC, none)
+            # side by side (JOBS_PER_ENGINE, 2), the states' codec (CODEC, zstd)
     step figures 1,7
     python3 -m eagle3data.model.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     # The machine each second (CPU busy/idle/iowait, blocks written, dirty memory) for where the tail goes.
@@ -112,7 +112,7 @@ case "$what" in
     timeout 570 python3 -m eagle3data.bench --figures 1,7 --device cuda --model /tmp/llama-8b \
       --captures 2:input,16:input,29:input,31:output --prompts "${FIGURE1_PROMPTS:-2048}" --tokens 512 \
       --conversations 6144 --shards "${FIGURE7_SHARDS:-8}" \
-      --jobs-per-engine "${JOBS_PER_ENGINE:-2}" --transport-dir "${TRANSPORT_DIR:-}" --codec "${CODEC:-none}" \
+      --jobs-per-engine "${JOBS_PER_ENGINE:-2}" --transport-dir "${TRANSPORT_DIR:-}" --codec "${CODEC:-zstd}" \
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
       --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
     echo "benchmark: exit $?"; kill $vmstat_pid; grep -E "^figure|^          " /tmp/figures.log; tail -n 3 /tmp/figures.log

@@ -86,7 +86,7 @@ def main() -> None:
     from eagle3data.contracts.states import Expected
     from eagle3data.storage.store import sample_path
     from eagle3data.bench.synthetic import random_prompts, write_token_shard
-    from safetensors.torch import load_file
+    from eagle3data.contracts.measuring import load_stored
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory with real weights")
@@ -119,7 +119,7 @@ def main() -> None:
     run_alone(job)
     rows = []
     for sid in prompts:
-        got = load_file(str(sample_path(work / "store", sid)))["hidden_states"]
+        got = load_stored(str(sample_path(work / "store", sid)))["hidden_states"]  # compressed or raw
         rows += compare(sid, got, reference[sid], captures)
     worst = max(rows, key=lambda r: r["rel_error"])
     result = {"model": args.model, "dtype": args.dtype, "device": args.device, "samples": len(prompts),

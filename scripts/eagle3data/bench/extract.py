@@ -133,13 +133,15 @@ def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
     from eagle3data.contracts.states import Expected
     from eagle3data.storage.store import sample_path
     from eagle3data.bench.synthetic import write_token_shard
+    from eagle3data.plan import disk
 
     work = Path(args.work)
     write_token_shard(str(work / "shard.parquet"), prompts)
     info = read_model_info(args.model)
     job = ExtractJob(str(work / "shard.parquet"), str(work / "manifest.parquet"), str(work / "stats.json"),
                      str(work / "store"), args.model, False, Expected(captures, info.hidden_size, args.dtype),
-                     args.tokens, engine)
+                     args.tokens, engine,
+                     storage={**disk.STORAGE_DEFAULTS, "compression": {"codec": args.codec, "level": 1, "threads": 1}})
     with StoreSampler([sample_path(work / "store", sample_id) for sample_id in prompts]) as sampler:
         stats = run_alone(job)
     files = list((work / "store").rglob("*.safetensors"))
@@ -268,6 +270,8 @@ def main() -> None:
     parser.add_argument("--engine", nargs="*", default=[], help="engine settings KEY=VALUE (config/schema.yaml)")
     parser.add_argument("--matmul-size", type=int, default=None,
                         help="default 8192 on cuda; on cpu at most 2048")
+    parser.add_argument("--codec", default="zstd", choices=["none", "zstd", "lz4"],
+                        help="storage.compression.codec of the extract stage's files")
     parser.add_argument("--work", default="results/bench-extract", help="shard and states go here")
     parser.add_argument("--out", default=None, help="write the JSON here too")
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)

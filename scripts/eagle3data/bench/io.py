@@ -8,8 +8,9 @@ the header) with a tokenized shard and an extract manifest per shard. The real `
 their own process with OMP_NUM_THREADS set to the rule's `threads` (validate 2; pack_shard
 storage.compression.threads, capped by the cores as Snakemake caps it), timed inside it
 (`python -m eagle3data.bench.io validate|pack JOB.json`), beside their references on the same files:
-plainly reading them, and `cp` of them; pack with compression (`codec: zstd`) and without (`none`,
-the default) in the same passes. Before each timed pass the files are dropped from the page cache
+plainly reading them, and `cp` of them. Two sets of files: compressed with zstd as the connector writes
+them under `storage.compression` (validate, and pack into a zstd dataset), and raw (pack without
+compression), in the same passes; rates are of the states' raw bytes. Before each timed pass the files are dropped from the page cache
 (posix_fadvise DONTNEED), so every pass reads them from disk, as a production shard (tens of GB) is
 read; `os.sync()` first, so no pass pays for an earlier one's writes.
 """
@@ -29,14 +30,14 @@ from pathlib import Path
 import pandas as pd
 import torch
 import yaml
-from safetensors.torch import save_file
 
 from eagle3data.bench import REPO
 from eagle3data.contracts.schemas import ExtractManifest, SkippedShard, check
 from eagle3data.config.settings import Settings
-from eagle3data.contracts.measuring import facts_header
+from eagle3data.contracts.measuring import facts_header, save_states
 from eagle3data.contracts.reading import READ_CHUNK
 from eagle3data.model.shapes import write_shape
+from eagle3data.storage.compression import Compression
 from eagle3data.storage.store import atomic_path, sample_path
 from eagle3data.bench.synthetic import random_prompts, write_token_shard
 
@@ -61,8 +62,10 @@ def kimi_settings(work: Path) -> Settings:
     return Settings(config)
 
 
-def write_shards(settings: Settings, work: Path, shards: int, samples: int, tokens: int) -> list[Shard]:
-    """`shards` shards of `samples` random samples of `tokens` tokens, as tokenize and extract leave them."""
+def write_shards(settings: Settings, work: Path, shards: int, samples: int, tokens: int,
+                 compression: Compression | None = None) -> list[Shard]:
+    """`shards` shards of `samples` random samples of `tokens` tokens, as tokenize and extract leave them
+    (the files compressed with `compression`, as the connector writes them under storage.compression)."""
     expected = settings.expected
     out = []
     for i in range(shards):
@@ -75,9 +78,8 @@ def write_shards(settings: Settings, work: Path, shards: int, samples: int, toke
         for sid, ids in prompts.items():
             path = sample_path(work / "store", sid)
             states = torch.randn(len(ids), len(expected.captures), expected.hidden_size).to(torch.bfloat16)
-            with atomic_path(path) as tmp:
-                save_file({"hidden_states": states, "token_ids": torch.tensor(ids, dtype=torch.int64)}, tmp,
-                          metadata=facts_header(states))  # as the connector writes them
+            with atomic_path(path) as tmp:  # as the connector writes them
+                save_states(tmp, states, torch.tensor(ids, dtype=torch.int64), facts_header(states), compression)
             rows.append((sid, len(ids), str(path), "computed"))
             shard.files.append(str(path))
         manifest = pd.DataFrame(rows, columns=["sample_id", "num_tokens", "path", "status"])
@@ -175,25 +177,14 @@ def stage_in_child(stage: str, settings: Settings, shards: list[Shard], out_dir:
 
 def open_dataset_rate(dataset: Path, repeats: int) -> float:
     """Raw state bytes a second that `open_dataset` gives back from `dataset`'s rows, warm (figure 12's
-    protocol on Kimi-shaped rows): as many reader threads as cores, as a trainer's DataLoader workers,
-    torch at one thread; the best of `repeats` passes."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    protocol on Kimi-shaped rows, `storage.as_data_loader`); the best of `repeats` passes."""
+    from eagle3data.bench.storage import as_data_loader
     from eagle3data.dataset.format import open_dataset
 
-    ds, threads = open_dataset(dataset), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            raw = sum(s["hidden_states"].nbytes for s in pool.map(ds.__getitem__, range(len(ds))))
-            seconds = []
-            for _ in range(repeats):
-                began = time.perf_counter()
-                list(pool.map(ds.__getitem__, range(len(ds))))
-                seconds.append(time.perf_counter() - began)
-    finally:
-        torch.set_num_threads(threads)
-    return raw / min(seconds)
+    ds = open_dataset(dataset)
+    raw = sum(ds[i]["hidden_states"].nbytes for i in range(len(ds)))
+    with as_data_loader() as read_rows:
+        return raw / min(read_rows(ds.__getitem__, len(ds)) for _ in range(repeats))
 
 
 def dataset_bytes(path: Path) -> int:
@@ -202,53 +193,66 @@ def dataset_bytes(path: Path) -> int:
 
 def measure(work: Path, shards: int, samples: int, tokens: int, repeats: int) -> dict:
     """Figures 2, 3 and 6 on 4 x `shards` shards of `samples` samples of `tokens` tokens, which validate
-    and pack see as one shard (pack's 1x for its memory is the first `shards` of them). Subject and
-    reference alternate; each keeps its best of `repeats`."""
+    and pack see as one shard (pack's 1x for its memory is the first `shards` of them): files compressed
+    with zstd as the connector writes them under storage.compression, and the same shape raw (pack
+    without compression). Subject and reference alternate; each keeps its best of `repeats`."""
     settings = kimi_settings(work)
-    data = write_shards(settings, work, 4 * shards, samples, tokens)
-    files, nbytes, whole = files_of(data), file_bytes(data), one_shard(data, work)
-    stage_in_child("validate", settings, data, work / "validated")  # pack's inputs, shard by shard
+    sets = {"zstd": write_shards(settings, work / "zstd", 4 * shards, samples, tokens, Compression("zstd")),
+            "none": write_shards(settings, work / "none", 4 * shards, samples, tokens)}
+    files = {codec: files_of(data) for codec, data in sets.items()}
+    nbytes = {codec: file_bytes(data) for codec, data in sets.items()}
+    whole = {codec: one_shard(data, work / codec) for codec, data in sets.items()}
+    for codec, data in sets.items():  # pack's inputs: shard by shard (pack 1x), as one (the timed passes)
+        stage_in_child("validate", settings, data, work / f"validated-{codec}")
+        stage_in_child("validate", settings, [whole[codec]], work / f"validated-{codec}-whole")
     timings = {"read": [], "validate": [], "validate_measuring": [], "cp": [], "cp_durable": [], "pack": [],
-               "pack_raw": []}
+               "cp_durable_raw": [], "pack_raw": []}
+    zstd, none = files["zstd"], files["none"]
     for _ in range(repeats):
-        drop_from_page_cache(files)
-        timings["read"].append(read_files(files))
-        drop_from_page_cache(files)
-        timings["validate"].append(stage_in_child("validate", settings, [whole], work / "validated")["seconds"])
-        drop_from_page_cache(files)
-        timings["validate_measuring"].append(
-            stage_in_child("validate", settings, [whole], work / "validated", read_states=True)["seconds"])
-        drop_from_page_cache(files)
-        copied, durable = copy_files(files, work / "copy")
+        drop_from_page_cache(zstd)
+        timings["read"].append(read_files(zstd))
+        drop_from_page_cache(zstd)
+        timings["validate"].append(stage_in_child("validate", settings, [whole["zstd"]], work / "validated")["seconds"])
+        drop_from_page_cache(zstd)
+        timings["validate_measuring"].append(stage_in_child(
+            "validate", settings, [whole["zstd"]], work / "validated", read_states=True)["seconds"])
+        drop_from_page_cache(zstd)
+        copied, durable = copy_files(zstd, work / "copy")
         timings["cp"].append(copied)
         timings["cp_durable"].append(durable)
-        drop_from_page_cache(files)
+        drop_from_page_cache(zstd)
         shutil.rmtree(work / "dataset-4x", ignore_errors=True)
-        pack_4x = stage_in_child("pack", settings, [whole], work / "dataset-4x", codec="zstd")
+        pack_4x = stage_in_child("pack", settings, [whole["zstd"]], work / "dataset-4x", codec="zstd")
         timings["pack"].append(pack_4x["seconds"])
-        drop_from_page_cache(files)
+        drop_from_page_cache(none)
+        timings["cp_durable_raw"].append(copy_files(none, work / "copy")[1])
+        drop_from_page_cache(none)
         shutil.rmtree(work / "dataset-raw", ignore_errors=True)
-        timings["pack_raw"].append(stage_in_child("pack", settings, [whole], work / "dataset-raw", codec="none")["seconds"])
-    warm_read = read_files(files)
-    warm_validate = stage_in_child("validate", settings, [whole], work / "validated", read_states=True)["seconds"]
-    pack_1x = stage_in_child("pack", settings, data[:shards], work / "dataset-1x", codec="zstd")
+        timings["pack_raw"].append(
+            stage_in_child("pack", settings, [whole["none"]], work / "dataset-raw", codec="none")["seconds"])
+    warm_read = read_files(zstd)
+    warm_validate = stage_in_child("validate", settings, [whole["zstd"]], work / "validated", read_states=True)["seconds"]
+    pack_1x = stage_in_child("pack", settings, sets["zstd"][:shards], work / "dataset-1x", codec="zstd")
     best = {k: min(v) for k, v in timings.items()}
     packed_tokens = 4 * shards * samples * tokens
     raw_per_token = len(settings.expected.captures) * settings.expected.hidden_size * 2
+    raw = packed_tokens * raw_per_token  # the states' bytes: rates are of these, whatever the files hold
     return {
         "shape": {"captures": len(settings.expected.captures), "hidden_size": settings.expected.hidden_size,
                   "tokens_per_sample": tokens, "samples_per_shard": samples, "shards_1x": shards,
-                  "shards_4x": 4 * shards, "files": len(files), "bytes": nbytes},
+                  "shards_4x": 4 * shards, "files": len(zstd), "bytes": nbytes["zstd"], "raw_bytes": raw,
+                  "raw_file_bytes": nbytes["none"]},
         "seconds": timings,
-        "validate_bytes_per_second": nbytes / best["validate"], "read_bytes_per_second": nbytes / best["read"],
-        "validate_measuring_bytes_per_second": nbytes / best["validate_measuring"],
-        "warm": {"validate_measuring_bytes_per_second": nbytes / warm_validate,
-                 "read_bytes_per_second": nbytes / warm_read},
-        "pack_bytes_per_second": nbytes / best["pack"], "cp_bytes_per_second": nbytes / best["cp"],
-        "pack_raw_bytes_per_second": nbytes / best["pack_raw"], "pack_threads": pack_threads(settings),
+        "validate_bytes_per_second": raw / best["validate"], "read_bytes_per_second": raw / best["read"],
+        "validate_measuring_bytes_per_second": raw / best["validate_measuring"],
+        "warm": {"validate_measuring_bytes_per_second": raw / warm_validate,
+                 "read_bytes_per_second": raw / warm_read},
+        "pack_bytes_per_second": raw / best["pack"], "cp_bytes_per_second": raw / best["cp"],
+        "pack_raw_bytes_per_second": raw / best["pack_raw"], "pack_threads": pack_threads(settings),
+        "cp_durable_raw_bytes_per_second": raw / best["cp_durable_raw"],
         "compression": "zstd",
         "dataset_raw_bytes": dataset_bytes(work / "dataset-raw"),
-        "cp_durable_bytes_per_second": nbytes / best["cp_durable"],
+        "cp_durable_bytes_per_second": raw / best["cp_durable"],
         "pack_peak_rss_mib": {"1x": pack_1x["peak_rss_mib"], "4x": pack_4x["peak_rss_mib"],
                               "before_pack": pack_1x["rss_before_mib"]},
         "dataset_bytes": dataset_bytes(work / "dataset-4x"), "packed_tokens": packed_tokens,

@@ -152,7 +152,7 @@ def footprint(run: Path) -> dict:
 
 def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict, captures: list[dict],
                        cores: int, shards: int, exports: bool, jobs_per_engine: int = 1,
-                       transport_dir: str = "", codec: str = "none") -> dict:
+                       transport_dir: str = "", codec: str = "zstd") -> dict:
     """One whole run (tokenize, extract, validate, pack, report) of demo-like conversations in `shards`
     shards, the model already built: tokens packed per wall second, from the start and from the moment
     the first extract job had its engine ready to the packed dataset, and the engine loads it took (one:

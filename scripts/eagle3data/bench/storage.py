@@ -134,10 +134,30 @@ def pack_raw(run: Path, out: Path) -> Path:
     return out
 
 
-def reader_rates(datasets_: dict[str, Path], work: Path, model: Path, repeats: int) -> dict:
-    """GB/s of raw states read through each trainer's reader (and open_dataset), per dataset, warm."""
+@contextlib.contextmanager
+def as_data_loader():
+    """Yield `read_rows(read, rows) -> seconds`: rows 0..rows-1 through `read` as a trainer's DataLoader
+    reads them, in a worker per core at once (threads here: decoding and torch's copies release the GIL),
+    torch at one thread each, as DataLoader sets it in its workers (torch's two OpenMP threads spinning
+    beside Blosc2's slowed the slot copy ~20x on this machine)."""
     import torch
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad(), ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            def read_rows(read, rows: int) -> float:
+                began = time.perf_counter()
+                list(pool.map(read, range(rows)))
+                return time.perf_counter() - began
+
+            yield read_rows
+    finally:
+        torch.set_num_threads(threads)
+
+
+def reader_rates(datasets_: dict[str, Path], work: Path, model: Path, repeats: int) -> dict:
+    """GB/s of raw states read through each trainer's reader (and open_dataset), per dataset, warm."""
     from eagle3data.dataset.format import open_dataset
     from eagle3data.exports.specforge import export as export_specforge
     from eagle3data.exports.speculators import export as export_speculators
@@ -158,24 +178,14 @@ def reader_rates(datasets_: dict[str, Path], work: Path, model: Path, repeats: i
         readers[name] = {"speculators": speculators.get_cached, "specforge": specforge,
                          "open_dataset": ds.__getitem__, "rows": len(ds)}
     seconds = {name: {reader: [] for reader in ("speculators", "specforge", "open_dataset")} for name in readers}
-    # As a trainer's DataLoader reads them: rows in `workers` workers at once (threads here: decoding and
-    # torch's copies release the GIL), torch at one thread each, as DataLoader sets it in its workers
-    # (torch's two OpenMP threads spinning beside Blosc2's slowed the slot copy ~20x on this machine).
-    threads, workers = torch.get_num_threads(), os.cpu_count() or 1
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad(), ThreadPoolExecutor(workers) as pool:
-            for r in readers.values():  # the files into the page cache, each reader's first-use costs paid
-                for reader in ("speculators", "specforge", "open_dataset"):
-                    list(pool.map(r[reader], range(r["rows"])))
-            for _ in range(repeats):
-                for reader in ("speculators", "specforge", "open_dataset"):
-                    for name, r in readers.items():
-                        began = time.perf_counter()
-                        list(pool.map(r[reader], range(r["rows"])))
-                        seconds[name][reader].append(time.perf_counter() - began)
-    finally:
-        torch.set_num_threads(threads)
+    with as_data_loader() as read_rows:
+        for r in readers.values():  # the files into the page cache, each reader's first-use costs paid
+            for reader in ("speculators", "specforge", "open_dataset"):
+                read_rows(r[reader], r["rows"])
+        for _ in range(repeats):
+            for reader in ("speculators", "specforge", "open_dataset"):
+                for name, r in readers.items():
+                    seconds[name][reader].append(read_rows(r[reader], r["rows"]))
     return {"raw_state_bytes": raw, "seconds": seconds,
             "bytes_per_second": {name: {reader: raw / min(s) for reader, s in by.items()}
                                  for name, by in seconds.items()}}

@@ -42,7 +42,7 @@ END = "<!-- end of results table -->"
 FIGURES: dict[str, tuple[str, str]] = {
     "1": ("extract tok/s / bare vLLM prefill tok/s, same engine", ">= 0.97 GPU, >= 0.8 CPU"),
     "2": ("validate bytes/s / plain read of the same files", ">= 0.5"),
-    "3": ("pack bytes/s, zstd compression on / durable `cp` of the same files", ">= 0.5"),
+    "3": ("pack bytes/s of the connector's compressed files / durable `cp` of the same files", ">= 0.5"),
     "3m": ("pack peak memory, 4 shards' size / 1 shard's", "<= 1.3"),
     "4": ("tokenize samples/s / bare tokenizer", ""),
     "5": ("seconds of `snakemake -n` for 1,000,000 conversations", "< 30"),

@@ -18,6 +18,8 @@ crosses an RPC to the driver. We keep that design and change three things:
   pass: a save reaches the worker in a step after the one that wrote the request's last states (the
   scheduler learns that it finished from that step's output), so those states are complete by then,
   and the copy overlaps the step's compute instead of trailing it (at a run's end, one step sooner);
+- under `storage.compression` each file holds its states compressed (storage/compression.py), by the
+  writer threads; the facts are those of the raw values;
 - each file's header carries the validation facts of its states (measuring.written_facts: norms and least
   bits measured on the GPU beside the copy, the CRCs and counts on the host copy it writes), so the
   validate stage need not read the states again;
@@ -36,7 +38,6 @@ from functools import partial
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     ExampleHiddenStatesConnectorMetadata,
@@ -46,8 +47,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 
 from eagle3data.utils.logs import get_logger
 from eagle3data.capture.pinned import PinnedBuffers
-from eagle3data.contracts.measuring import measured, written_facts
+from eagle3data.contracts.measuring import measured, save_states, written_facts
 from eagle3data.contracts.states import FACTS_KEY
+from eagle3data.storage.compression import Compression
 from eagle3data.storage.store import atomic_path
 
 logger = get_logger(__name__)
@@ -77,6 +79,8 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         self._queued, self._seconds = 0, 0.0  # requests queued on GPU; the engine thread's time in here
         self._writers = {"files": 0, "copy_wait": 0.0, "write": 0.0}  # summed over the writer threads
         self._writers_lock = threading.Lock()
+        compression = self._kv_transfer_config.get_from_extra_config("compression", None)
+        self._compression = Compression.from_settings(compression)  # None: raw files
         if self._is_tp_rank_zero and self._kv_cache.is_cuda:
             one_slot = torch.zeros(1, dtype=torch.long, device=self._kv_cache.device)
             per_token = tuple(extract_from_kv_cache(self._kv_cache, one_slot, 1).shape[1:])  # [n_captures, H]
@@ -95,17 +99,19 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             self._kv_cache.device,
         )
 
-    @staticmethod
-    def _write_tensors(tensors, measures, event, filename, lock_fd) -> float:
-        """Wait for the copy, write the file with its facts in the header; the seconds spent waiting for
-        the copy. `measures` is the states' `measure` as `[T, 2, n]` (norms, least bits)."""
+    def _write_tensors(self, tensors, measures, event, filename, lock_fd) -> float:
+        """Wait for the copy, write the file with its facts in the header (compressed under
+        storage.compression: Blosc2 releases the GIL, so the writer threads compress side by side); the
+        seconds spent waiting for the copy. `measures` is the states' `measure` as `[T, 2, n]` (norms,
+        least bits)."""
         try:
             began = time.perf_counter()
             event.synchronize()
             waited = time.perf_counter() - began
-            facts = {FACTS_KEY: written_facts(tensors["hidden_states"], measures[:, 0], measures[:, 1])}
+            states = tensors["hidden_states"]
+            facts = {FACTS_KEY: written_facts(states, measures[:, 0], measures[:, 1])}
             with atomic_path(filename, durable=False) as tmp:  # the extract job makes them durable
-                save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=facts)
+                save_states(tmp, states, tensors["token_ids"], facts, self._compression)
             return waited
         except BaseException:
             logger.exception("writing hidden states to %s failed", filename)

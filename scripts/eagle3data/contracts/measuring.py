@@ -3,7 +3,8 @@ values, zeros, zero and identical rows, mean norm, CRC32), for the connector as 
 (`measured` on the GPU, `written_facts` on the host copy) and for validate when a file's header holds no
 facts (`capture_facts`). One function computes each fact for all of them, so the facts in a header and
 the facts measured from the file are equal bit for bit; the reads and the CRCs are reading.py's, which
-pack uses without torch to compare every byte it packs with the CRCs validate recorded.
+pack uses without torch to compare every byte it packs with the CRCs validate recorded. `save_states`
+writes a file as the connector does (raw or compressed).
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.numpy import save_file as save_numpy
+from safetensors.torch import save_file
 
 from eagle3data.contracts import reading
 from eagle3data.utils.overlap import ahead
 from eagle3data.contracts.states import FACTS_KEY, ITEMSIZES, Expected, manifest_rows
+from eagle3data.storage.compression import Compression
 
 DTYPES = {name: getattr(torch, name) for name in ITEMSIZES}  # the dtypes states.py knows by name
 # Each float dtype as integers of its width, and its exponent bits (all set: inf or nan).
@@ -36,10 +41,12 @@ def _crc(x: torch.Tensor, value: int = 0) -> int:
     return reading.crc(_numpy(x), value)
 
 
-def _read_blocks(f, states: np.ndarray, step: int, path: str) -> Iterator[int]:
-    """Read the states from `f` block by block of `step` tokens; yield each block's first token once read."""
+def _read_blocks(f, states: np.ndarray, step: int, path: str, read: bool) -> Iterator[int]:
+    """Read the states from `f` block by block of `step` tokens (unless `read`: already there); yield each
+    block's first token once read."""
     for start in range(0, states.shape[0], step):
-        reading.read_into(f, reading.as_bytes(states[start : start + step]), path)
+        if not read:
+            reading.read_into(f, reading.as_bytes(states[start : start + step]), path)
         yield start
 
 
@@ -136,18 +143,42 @@ def facts_header(states: torch.Tensor) -> dict[str, str]:
     return {FACTS_KEY: written_facts(states, m[:, 0], m[:, 1])}
 
 
+def save_states(path: str, states: torch.Tensor, token_ids: torch.Tensor, metadata: dict[str, str],
+                compression: Compression | None = None) -> None:
+    """A states file as the connector writes it: `hidden_states` and `token_ids` with `metadata` (the
+    facts), or with `compression` the states as a frame (storage/compression.py) beside `token_ids`."""
+    if compression is None:
+        save_file({"hidden_states": states.contiguous(), "token_ids": token_ids}, path, metadata=metadata)
+        return
+    states = states.contiguous()
+    tensors, about = compression.file_entries(_numpy(states), str(states.dtype).removeprefix("torch."))
+    save_numpy({**tensors, "token_ids": token_ids.numpy()}, path, metadata={**metadata, **about})
+
+
+def load_stored(path: str) -> dict[str, torch.Tensor]:
+    """A states file's `hidden_states` (its dtype, decompressed where the file is compressed) and
+    `token_ids`, as `save_states` wrote them."""
+    with open(path, "rb", buffering=0) as f:
+        array, dtype, stored = reading.open_states(f, path)
+        if stored is None:
+            reading.read_into(f, reading.as_bytes(array), path)
+    with safe_open(path, framework="pt") as f:
+        token_ids = f.get_tensor("token_ids")
+    return {"hidden_states": torch.from_numpy(array).view(DTYPES[dtype]), "token_ids": token_ids}
+
+
 def capture_facts(sample_id: str, path: str, expected: Expected) -> list[dict]:
     """StatesManifest rows of a file that passed the file contract: one per capture, measured.
 
     Streamed block by block of tokens: per token and capture the `measure`, and the CRC continued."""
     with open(path, "rb", buffering=0) as f:
-        array, dtype = reading.open_states(f, path)
+        array, dtype, stored = reading.open_states(f, path)  # a compressed file: decoded whole
         states = torch.from_numpy(array).view(DTYPES[dtype])
         tokens, n, hidden = states.shape
         norms, low, crcs = torch.empty(tokens, n), torch.empty(tokens, n, dtype=_BITS[states.dtype][0]), [0] * n
         step = max(1, _BLOCK_BYTES // (n * hidden * states.element_size()))  # small, reused temporaries
         # The next block is read while this one is measured; closed (the read finished) before f is.
-        with contextlib.closing(ahead(_read_blocks(f, array, step, path))) as blocks:
+        with contextlib.closing(ahead(_read_blocks(f, array, step, path, stored is not None))) as blocks:
             for start in blocks:
                 block = states[start : start + step]
                 norms[start : start + step], low[start : start + step] = measure(block)

@@ -1,7 +1,8 @@
 """What a per-sample states file holds, read into the facts that the contracts in schemas.py judge.
 
 A file must hold exactly `hidden_states [T, n_captures, H]` (the configured dtype) and `token_ids [T]`, as
-vLLM's hidden-states connector writes them. `file_facts` reads the header and the token ids only (cheap);
+vLLM's hidden-states connector writes them (compressed: `hidden_states_frame` and the metadata saying
+which states it holds, storage/compression.py; judged as those states). `file_facts` reads the header and the token ids only (cheap);
 `measuring.capture_facts` reads the states and measures each capture (non-finite values, zeros,
 checksum). Neither judges: the contracts do, so a list of 771 `[512]` tensors where one `[T, 4, H]`
 tensor belongs (the bug this project was born from) fails in one place, saying what was expected and
@@ -26,6 +27,7 @@ from safetensors import safe_open
 from eagle3data.contracts.failures import validate
 from eagle3data.contracts.layers import Capture
 from eagle3data.contracts.schemas import BoundaryError, StatesFile, states_file_contract
+from eagle3data.storage.compression import FRAME_KEY, FRAME_TENSOR
 
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # the header's names
 ITEMSIZES = {"bfloat16": 2, "float16": 2, "float32": 4}  # bytes a value
@@ -51,12 +53,17 @@ def file_facts(sample_id: str, path: str, input_ids) -> dict:
              "dtype": "", "token_ids": [], "input_ids": [int(i) for i in input_ids], "written": ""}
     try:
         with safe_open(path, framework="numpy") as f:
-            facts["written"] = (f.metadata() or {}).get(FACTS_KEY, "")
+            metadata = f.metadata() or {}
+            facts["written"] = metadata.get(FACTS_KEY, "")
             facts["tensors"] = sorted(f.keys())
             if "hidden_states" in facts["tensors"]:
                 states = f.get_slice("hidden_states")
                 facts["shape"] = list(states.get_shape())
                 facts["dtype"] = SAFETENSORS_DTYPES.get(states.get_dtype(), states.get_dtype())
+            elif FRAME_TENSOR in facts["tensors"]:  # compressed: the states the frame says it holds
+                facts["tensors"] = sorted(["hidden_states" if k == FRAME_TENSOR else k for k in facts["tensors"]])
+                about = json.loads(metadata.get(FRAME_KEY) or "{}")
+                facts["shape"], facts["dtype"] = list(about.get("shape", [])), about.get("dtype", "")
             if "token_ids" in facts["tensors"]:
                 facts["token_ids"] = f.get_tensor("token_ids").tolist()
     except Exception as exc:  # missing, truncated, not safetensors

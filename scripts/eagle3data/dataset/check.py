@@ -74,8 +74,9 @@ def _per_row(values: pa.Array, weights: np.ndarray, n: int) -> np.ndarray:
 
 def _frame_rows(column: pa.ChunkedArray, token_bytes: int) -> np.ndarray:
     """Per row the tokens its compressed frame holds, from the frame's header (-1: not a frame, or not
-    whole tokens)."""
-    sizes = np.array([frame_bytes(v.as_buffer()) if v.is_valid else -1 for v in column], dtype=np.int64)
+    whole tokens); only the pages of each frame that Blosc2 reads are touched (`fmt.frame_buffer`)."""
+    frames = (fmt.frame_buffer(column, i) for i in range(len(column)))
+    sizes = np.array([-1 if frame is None else frame_bytes(frame) for frame in frames], dtype=np.int64)
     return np.where((sizes >= 0) & (sizes % token_bytes == 0), sizes // token_bytes, -1)
 
 

@@ -3,10 +3,10 @@
 Arrow and `datasets` have no bfloat16, and handing them bf16 tensors silently widens them to float32.
 So the states are held as their raw 16-bit patterns, stored in one of two ways, which the metadata's
 `compression` names (`storage.compression`; storage/compression.py):
-- compressed (`storage.compression.codec: zstd`): `hidden_states` is one Blosc2 frame per row (Arrow `large_binary`) holding
-  the row's `[L, n_captures, H]` 16-bit patterns losslessly (~0.71 of the raw bytes on real states);
-  `open_dataset` and `decode_states` decompress a row when it is read;
-- `codec: none` (the default, and every dataset written before compression, format 1): per sample a list of L rows,
+- compressed (`storage.compression.codec: zstd`, the default): `hidden_states` is one Blosc2 frame per row (Arrow
+  `large_binary`) holding the row's `[L, n_captures, H]` 16-bit patterns losslessly (~0.71 of the raw bytes on real
+  states); `open_dataset` and `decode_states` decompress a row when it is read;
+- `codec: none` (and every dataset written before compression, format 1): per sample a list of L rows,
   each a fixed-size list of `n_captures * H` uint16 (slot-major within a token), which `open_dataset`
   views back as bf16 `[L, n_captures, H]` without copying.
 What each slot means is in the metadata (`eagle3` key of the dataset info), written by `pack` and
@@ -162,9 +162,26 @@ def stored_states(table: pa.Table, i: int, n_captures: int, hidden_size: int) ->
     if pa.types.is_large_binary(column.type):
         from eagle3data.storage.compression import decode
 
-        return decode(column[i].as_buffer(), n_captures, hidden_size)
+        return decode(frame_buffer(column, i), n_captures, hidden_size)
     flat = column[i].values.flatten().to_numpy(zero_copy_only=True)
     return flat.reshape(-1, n_captures, hidden_size)
+
+
+def frame_buffer(column: pa.ChunkedArray, i: int) -> pa.Buffer | None:
+    """Row i's compressed frame as a slice of its chunk's data buffer (of the memory-mapped file), not a
+    copy: Arrow's scalar copies the frame (`as_buffer`: 2.4 GB of memory for 1.3 GB of frames); None for a
+    null row."""
+    for chunk in column.chunks:
+        if i < len(chunk):
+            break
+        i -= len(chunk)
+    else:
+        raise IndexError(f"row {i} of a column of {len(column)}")
+    if chunk.null_count and not chunk[i].is_valid:
+        return None
+    _, offsets, data = chunk.buffers()
+    begin, end = np.frombuffer(offsets, dtype=np.int64)[chunk.offset + i : chunk.offset + i + 2]
+    return data.slice(int(begin), int(end - begin))
 
 
 def decode_states(value, metadata: dict) -> torch.Tensor:

@@ -13,10 +13,11 @@ conversation that tokenize split into several samples adds each sample after its
 in: `split_samples`), and the finished dataset as `check_dataset` sees it. A conversation already packed
 by an earlier shard is recorded as a duplicate (duplicates.py: one table for the run, written after tokenize).
 
-Under `storage.compression.codec: zstd` (storage/compression.py) each sample is compressed by the thread that
-read and checked it, and its frame decompressed again and checked against the same checksums before it
-is written: the CRCs validate recorded are those of the raw values, and every stored frame is proven to
-give them back bit for bit.
+Under `storage.compression.codec: zstd` (storage/compression.py) the engine's writer threads compressed
+each sample's file: pack stores the file's frame as it is, checked by the CRC of its bytes and the raw
+values' CRCs its header states (`_verified_states`). A raw file (written before compression was turned
+on, or restored from a packed shard) is compressed by the thread that read it, and its frame checked
+by decompressing it against the CRCs validate recorded.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from datasets.arrow_writer import ArrowWriter
 
 from eagle3data.dataset import format as fmt
 from eagle3data.plan import disk
-from eagle3data.storage.compression import Compression, decode
+from eagle3data.storage.compression import Compression, decode, frame_checksum
 from eagle3data.dataset.duplicates import packed_earlier, write_index
 from eagle3data.contracts.failures import BoundaryError, Failure, show, summary, validate
 from eagle3data.dataset.index import IndexJob, index
@@ -55,7 +56,7 @@ from eagle3data.contracts.schemas import (
     sample_states_contract,
     states_manifest_contract,
 )
-from eagle3data.contracts.reading import STORAGE, checksum, load_states
+from eagle3data.contracts.reading import STORAGE, checksum, read_states
 from eagle3data.storage.store import atomic_path, atomic_write_text, start_writeback
 from eagle3data.utils.testing import kill_point
 
@@ -109,13 +110,23 @@ class ShardPackJob:
 
 
 def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndarray,
-                     compression: Compression | None = None) -> bytes | None:
-    """Read the sample's states into `out`; refused unless every capture's checksum is the one validate
-    recorded. With `compression`, the frame to store, refused unless it decompresses to those checksums."""
+                     compression: Compression | None = None) -> bytes | bytearray | None:
+    """Read the sample's states into `out`, refused unless every capture's checksum is the one validate
+    recorded; with `compression`, return the frame to store. A file the engine compressed as `compression`
+    compresses is not decompressed: its frame is stored as it is, refused unless its bytes have the CRC its
+    header states and the header states the validated checksums (its writer proved the frame gives back
+    the values those are of). Any other file is read (a compressed one decompressed) and its values
+    checked; a frame made here is refused unless it decompresses to the same checksums."""
     path, expected = captures[0].path, [c.checksum for c in captures]
+    stored = None
     try:
-        load_states(path, out)
-        found = [checksum(out[:, c.slot, :]) for c in captures]
+        _, stored = read_states(path, out, keep=compression)
+        if stored is None or stored.decoded:
+            found = [checksum(out[:, c.slot, :]) for c in captures]
+        elif frame_checksum(stored.frame) != stored.checksum:
+            found = f"a frame whose CRC {frame_checksum(stored.frame)} is not the {stored.checksum} its header states"
+        else:
+            found = [stored.capture_checksums[c.slot] for c in captures] if stored.capture_checksums else "none"
     except Exception as exc:  # gone, truncated, reshaped since validate
         found = f"{type(exc).__name__}: {exc}"
     if found != expected:
@@ -125,6 +136,8 @@ def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndar
         )
     if compression is None:
         return None
+    if stored is not None and not stored.decoded:
+        return stored.frame
     frame = compression.encode(out)
     stored = decode(frame, out.shape[1], out.shape[2], out.dtype, threads=compression.threads)
     found = [checksum(stored[:, c.slot, :]) for c in captures]

@@ -50,6 +50,7 @@ from eagle3data.utils.testing import kill_engine_point, kill_point
 logger = get_logger(__name__)
 
 ORPHAN_KEEP_ALIVE_S = 60.0  # idle seconds an engine whose run is gone waits for a re-run to take it
+ORPHAN_KEEP_ALIVE_ENV = "EAGLE3DATA_TEST_ORPHAN_KEEP_ALIVE_S"  # a test's shorter wait (utils/testing.py)
 
 
 class Server:
@@ -139,7 +140,7 @@ class Server:
         """Stop after keep_alive_s without a client (ORPHAN_KEEP_ALIVE_S, if shorter, once its run is
         gone), unless a job claimed the server meanwhile or a job's last files are still landing: the
         server takes its own busy lock, then its draining lock, so such a job keeps it alive."""
-        orphaned = False
+        orphaned, orphan_keep_alive = False, float(os.environ.get(ORPHAN_KEEP_ALIVE_ENV, ORPHAN_KEEP_ALIVE_S))
         while True:
             time.sleep(0.5)
             keep_alive = self.spec["keep_alive_s"]
@@ -147,9 +148,9 @@ class Server:
                 if not orphaned:
                     logger.info("engine %s: the run that owns it (process %d) is gone; it stops once idle "
                                 "for %.0f s", self.entry.id, self.entry.owner[0],
-                                min(keep_alive, ORPHAN_KEEP_ALIVE_S))
+                                min(keep_alive, orphan_keep_alive))
                 orphaned = True
-                keep_alive = min(keep_alive, ORPHAN_KEEP_ALIVE_S)
+                keep_alive = min(keep_alive, orphan_keep_alive)
             elif orphaned:
                 orphaned = False  # a re-run took it over
             if self.serving or time.monotonic() - self.idle_since < keep_alive:

@@ -103,7 +103,7 @@ def check_storage_config(storage: dict) -> None:
 # `storage` settings for callers that build jobs by hand (tests, benchmarks); the workflow's come from
 # config/schema.yaml, whose defaults these are.
 STORAGE_DEFAULTS = {"check_free_space": True, "reserve_gib": 1, "drop_packed_states": True, "transport_dir": "",
-                    "compression": {"codec": "none", "level": 1, "threads": 4}}
+                    "compression": {"codec": "zstd", "level": 1, "threads": 4}}
 
 
 def check_free_space(directory: str | Path, needed_bytes: int, reserve_gib: float, enforce: bool,

@@ -1,4 +1,4 @@
-"""Lossless compression of the packed states (`storage.compression`): Blosc2, byte shuffle + zstd.
+"""Lossless compression of the states (`storage.compression`, on by default): Blosc2, byte shuffle + zstd.
 
 A bf16 state's two bytes differ: the high one (sign and most of the exponent) repeats from value to
 value and compresses to ~0.4 of itself, the low one (mantissa) hardly at all. Blosc2's byte-shuffle
@@ -14,24 +14,34 @@ by Blosc2's threads). The frame describes itself (codec, filter, sizes), so `dec
 shape's last two dimensions; the dataset's metadata names the codec and its settings (`metadata`), and
 a dataset without the key (written before compression, or with `codec: none`) holds raw values.
 
-The per-sample store files stay raw: the engine's writer threads write them at the GPU's pace (tens of
-GB/s into the page cache on the H200) and compressing there would cost ~0.3 GB/s a thread; under
-`storage.drop_packed_states` (the default) they live only until their shard is packed.
+The per-sample store files are compressed where they are written, by the engine's writer threads (Blosc2
+releases the GIL, so they compress side by side while the GPU computes): a file then holds the frame as
+`hidden_states_frame` (uint8) beside `token_ids`, and its safetensors metadata says what the frame holds
+(`FRAME_KEY`: shape, dtype, codec, level, the CRC32 of the frame's bytes). The writer proves each frame
+before the file exists: it decompresses it and compares every byte with the states, whose facts (the
+raw values' CRCs among them) go into the same header. The disk then takes ~0.7 of the bytes twice (store,
+then packed shard), and pack stores each frame as it is after checking its bytes against the stated CRC
+and the stated raw CRCs against those validate recorded: pack compressing each sample itself was bound
+by the CPU (on 2 cores 0.2 of a durable cp, figure 3), the writer threads work beside the GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass
 
 import numpy as np
+from isal import isal_zlib
 
 LIBRARY = "blosc2"
 CODECS = ("zstd", "lz4", "none")
 FILTER = "shuffle"  # Blosc2's byte shuffle: each byte position of a block's values together
 BLOCK_BYTES = 1 << 20  # measured on real SmolLM2 states: 1 MiB 0.713, Blosc2's automatic size 0.721
 CHUNK_BYTES = 1 << 28  # Blosc2's chunks hold < 2 GiB; a 128k-token Kimi sample (7 GB) takes 27 of these
+FRAME_TENSOR = "hidden_states_frame"  # a compressed store file's states: the frame's bytes
+FRAME_KEY = "eagle3data.states_frame"  # its safetensors metadata entry: what the frame holds (`file_entries`)
 
 
 def available_cores() -> int:
@@ -43,10 +53,10 @@ def available_cores() -> int:
 
 @dataclass(frozen=True)
 class Compression:
-    """How pack stores each row's states: `codec` none (raw values, the format before compression),
-    zstd or lz4 at `level`, with Blosc2's byte shuffle; `threads` Blosc2 threads a row."""
+    """How the states are stored: `codec` zstd or lz4 at `level`, with Blosc2's byte shuffle, or none
+    (raw values, the format before compression); `threads` Blosc2 threads a row."""
 
-    codec: str = "none"  # config/schema.yaml's default: pack's rate and memory on 2 cores (figures 3, 3m)
+    codec: str = "zstd"  # config/schema.yaml's default
     level: int = 1
     threads: int = 1
 
@@ -76,6 +86,27 @@ class Compression:
                 "codec": self.codec, "level": self.level, "filter": FILTER, "block_bytes": BLOCK_BYTES,
                 "chunk_bytes": CHUNK_BYTES}
 
+    @classmethod
+    def from_settings(cls, settings: dict | None, threads: int = 1) -> Compression | None:
+        """From `{codec, level}` (a frame's metadata, an engine's extra config); None where it is absent."""
+        return cls(settings["codec"], settings["level"], threads) if settings else None
+
+    def same_frames(self, other: Compression | None) -> bool:
+        """Whether `other`'s frames are byte for byte what this one would write."""
+        return other is not None and (self.codec, self.level) == (other.codec, other.level)
+
+    def file_entries(self, states: np.ndarray, dtype: str) -> tuple[dict, dict]:
+        """A store file's states as safetensors tensors and metadata: the frame of `states` (their storage
+        values, `dtype` their name), proven to decompress to them bit for bit, and what it holds with the
+        CRC32 of its bytes (pack checks those bytes against it and stores the frame as it is)."""
+        frame = self.encode(states)
+        back = decode(frame, states.shape[1], states.shape[2], states.dtype, threads=self.threads)
+        if not np.array_equal(back.reshape(-1).view(np.uint8), states.reshape(-1).view(np.uint8)):
+            raise FrameError(f"a {self.codec} frame of {list(states.shape)} {dtype} states did not give them back")
+        about = {"shape": list(states.shape), "dtype": dtype, "codec": self.codec, "level": self.level,
+                 "checksum": frame_checksum(frame)}
+        return {FRAME_TENSOR: np.frombuffer(frame, dtype=np.uint8)}, {FRAME_KEY: json.dumps(about)}
+
     def encode(self, states: np.ndarray) -> bytes:
         """One row's states (C-contiguous, their storage dtype) as a Blosc2 frame."""
         blosc2 = _blosc2()
@@ -94,6 +125,11 @@ class Compression:
 
 class FrameError(ValueError):
     """Stored states that are not a whole Blosc2 frame of the expected shape."""
+
+
+def frame_checksum(frame) -> str:
+    """The CRC32 of a frame's bytes, as a store file's metadata states it (ISA-L: the values of zlib's)."""
+    return f"{isal_zlib.crc32(frame):08x}"
 
 
 def frame_bytes(frame) -> int:
@@ -120,10 +156,10 @@ STORAGE_BY_SIZE = {2: np.dtype(np.uint16), 4: np.dtype(np.float32)}  # dataset.S
 
 
 def decode(frame, n_captures: int, hidden_size: int, dtype: np.dtype | None = None,
-           threads: int | None = None) -> np.ndarray:
+           threads: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """A row's states `[L, n_captures, hidden_size]` from its frame (any bytes-like object: an Arrow
     buffer is read in place), in new memory of `dtype` (default: the storage dtype of the frame's value
-    size); `threads` Blosc2 threads (default: Blosc2's, the cores)."""
+    size) or in `out` (C-contiguous, the frame's shape); `threads` Blosc2 threads (default: Blosc2's)."""
     blosc2 = _blosc2()
     try:
         chunked = blosc2.schunk_from_cframe(frame, copy=False)
@@ -134,7 +170,11 @@ def decode(frame, n_captures: int, hidden_size: int, dtype: np.dtype | None = No
     if chunked.typesize != dtype.itemsize or chunked.nbytes % row:
         raise FrameError(f"a frame of {chunked.nbytes} bytes of {chunked.typesize}-byte values is no "
                          f"[L, {n_captures}, {hidden_size}] {dtype}")
-    out = np.empty((chunked.nbytes // row, n_captures, hidden_size), dtype=dtype)
+    shape = (chunked.nbytes // row, n_captures, hidden_size)
+    if out is None:
+        out = np.empty(shape, dtype=dtype)
+    elif out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+        raise FrameError(f"a frame of {list(shape)} {dtype} where {list(out.shape)} {out.dtype} was expected")
     flat, start = out.reshape(-1).view(np.uint8), 0
     for n in range(chunked.nchunks):
         # Chunk by chunk with decompress2, which releases the GIL (the frame's own readers hold it): a

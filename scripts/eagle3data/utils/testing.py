@@ -11,6 +11,8 @@
   it (engine/server.py) SIGKILLs itself and vLLM's processes under it, and nothing else, the first time
   it reaches a point of that job matching `pattern`: an engine crash, which must fail only the job it
   serves. The job sends the setting with its requests (a server outlives the run that started it).
+- `EAGLE3DATA_TEST_ORPHAN_KEEP_ALIVE_S=<seconds>` in a run's environment: how long its engine server,
+  once the run is gone, waits idle for a re-run before it stops (engine/server.py; 60 s otherwise).
 - `EAGLE3DATA_TEST_PAUSE_AT=<pattern>[#n]`: at that point the process says so on stderr and waits until
   it is killed, so that a test can cancel a job (`scancel`) at a known point, not at whatever point a
   race with the job's own progress gives.
