@@ -112,7 +112,7 @@ def test_a_builder_refuses_a_directory_it_did_not_build(tmp_path, builder):
 
 
 def test_a_builder_rebuilds_what_it_built(tmp_path):
-    """The demo model's directory carries the marker: a newer input rebuilds it, as Snakemake plans."""
+    """The demo model's directory carries the marker: a changed input rebuilds it, as Snakemake plans."""
     config = yaml.safe_load((REPO / "config" / "demo.yaml").read_text())
     config["input"] = str(tmp_path / "chats.jsonl")
     shutil.copy(REPO / "data" / "demo" / "conversations.jsonl", config["input"])
@@ -120,6 +120,9 @@ def test_a_builder_rebuilds_what_it_built(tmp_path):
     model = tmp_path / config["model"]["path"]
     assert (model / ".eagle3data-built.json").is_file()
     downloaded_earlier(model)
+    # Changed, not only touched: Snakemake does not rerun for a newer input whose checksum it recorded.
+    chats = Path(config["input"])
+    chats.write_text(chats.read_text() + chats.read_text().splitlines(keepends=True)[0])
     proc = run_snakemake(tmp_path, "--", "demo_model")
     assert "Building the tiny demo target model" in proc.stdout + proc.stderr
     assert (model / ".eagle3data-built.json").is_file()

@@ -158,10 +158,7 @@ def save_states(path: str, states: torch.Tensor, token_ids: torch.Tensor, metada
 def load_stored(path: str) -> dict[str, torch.Tensor]:
     """A states file's `hidden_states` (its dtype, decompressed where the file is compressed) and
     `token_ids`, as `save_states` wrote them."""
-    with open(path, "rb", buffering=0) as f:
-        array, dtype, stored = reading.open_states(f, path)
-        if stored is None:
-            reading.read_into(f, reading.as_bytes(array), path)
+    array, dtype, _ = reading.read_states(path)
     with safe_open(path, framework="pt") as f:
         token_ids = f.get_tensor("token_ids")
     return {"hidden_states": torch.from_numpy(array).view(DTYPES[dtype]), "token_ids": token_ids}

@@ -127,13 +127,13 @@ def load_states(path: str, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def read_states(path: str, out: np.ndarray | None = None,
-                keep: Compression | None = None) -> tuple[np.ndarray, StoredFrame | None]:
+                keep: Compression | None = None) -> tuple[np.ndarray, str, StoredFrame | None]:
     """The file's `hidden_states` in its storage dtype, read with plain sequential reads (a memory map costs
     a page fault per page touched: half the speed from disk, a third from the page cache) into new memory,
-    or into `out` (pack reads each sample straight into its batch); and its frame if it is compressed
-    (left compressed, `out` untouched, if `keep` writes the same frames)."""
+    or into `out` (pack reads each sample straight into its batch); their dtype's name; and the file's
+    frame if it is compressed (left compressed, `out` untouched, if `keep` writes the same frames)."""
     with open(path, "rb", buffering=0) as f:
-        out, _, stored = open_states(f, path, out, keep)
+        out, dtype, stored = open_states(f, path, out, keep)
         if stored is None:
             read_into(f, as_bytes(out), path)
-    return out, stored
+    return out, dtype, stored

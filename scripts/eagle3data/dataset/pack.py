@@ -120,7 +120,7 @@ def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndar
     path, expected = captures[0].path, [c.checksum for c in captures]
     stored = None
     try:
-        _, stored = read_states(path, out, keep=compression)
+        _, _, stored = read_states(path, out, keep=compression)
         if stored is None or stored.decoded:
             found = [checksum(out[:, c.slot, :]) for c in captures]
         elif frame_checksum(stored.frame) != stored.checksum:
