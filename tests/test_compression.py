@@ -181,6 +181,7 @@ def test_the_trainers_readers_return_the_same_tensors_with_and_without_compressi
             export_specforge(d / "dataset", d / "specforge", packed["model"], d / "vocab_mapping.pt", states="reader")
         speculators, specforge = PackedStatesTransfer(d / "speculators"), PackedFeatures(d / "specforge")
         found[codec] = [(speculators.get_cached(i), specforge(i)) for i in range(SAMPLES)]
+        assert speculators.rows_as_decoded == (codec == "zstd")  # the decoded rows go out uncopied
     for (a_spec, a_forge), (b_spec, b_forge) in zip(found["zstd"], found["none"]):
         for a, b in [*zip(a_spec.values(), b_spec.values()), *zip(a_forge.values(), b_forge.values())]:
             assert a.dtype == b.dtype and torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
