@@ -63,7 +63,7 @@ FIGURES: dict[str, tuple[str, str]] = {
 # Figures shown for GPU machines only: on a CPU, figure 9 times the 20 MB demo model's start, fixed costs.
 GPU_ONLY = {"9"}
 # The README's headline rows: (figure, hardware).
-HEADLINE = [("1", "1x H200"), ("7", "1x H200"), ("9", "1x H200"), ("regenerate", "1x H200"),
+HEADLINE = [("1", "1x H100"), ("7", "1x H100"), ("9", "1x H200"), ("regenerate", "1x H200"),
             ("6", "2-core CPU"), ("12", "2-core CPU"), ("2", "2-core CPU"), ("3", "2-core CPU"),
             ("11", "2-core CPU"), ("8a", "2-core CPU"), ("8c", "2-core CPU"), ("8d", "2-core CPU")]
 
@@ -89,8 +89,8 @@ def load(path: Path) -> object:
 
 def hardware(name: str, data: dict) -> str:
     kind = name.split("-")[3]
-    if kind == "h200":
-        return "1x H200"
+    if kind in ("h100", "h200"):
+        return f"1x {kind.upper()}"
     return f"{data.get('cpus') or 2}-core CPU"
 
 
