@@ -129,7 +129,8 @@ def test_pack_stores_the_engines_frames_as_they_are_and_refuses_one_changed_sinc
 
 def test_the_metadata_names_the_codec_and_the_bytes_are_fewer(packed):
     zstd, raw = read_metadata(packed["zstd"] / "dataset"), read_metadata(packed["none"] / "dataset")
-    assert zstd["format_version"] == raw["format_version"] == 2
+    assert zstd["format_version"] == raw["format_version"] == 3
+    assert zstd["checksums"]["algorithm"].startswith("CRC-32") and "hidden_states_crc32" in zstd["checksums"]
     assert {k: zstd["compression"][k] for k in ("library", "codec", "level", "filter")} == {
         "library": "blosc2", "codec": "zstd", "level": 1, "filter": "shuffle"}
     assert raw["compression"] == {"codec": "none"}
@@ -157,11 +158,15 @@ def test_every_reader_returns_the_same_tensors_with_and_without_compression(pack
         for i, (row, other) in enumerate(zip(rows[codec], rows["none" if codec == "zstd" else "zstd"])):
             stored = torch.from_numpy(load_states(str(sample_path(packed["store"], row["sample_id"]))).view(np.int16))
             assert row["hidden_states"].dtype == torch.bfloat16 and row["hidden_states"].shape == (TOKENS, 4, 128)
-            for tensor in (row["hidden_states"], other["hidden_states"], decode_states(hf[i]["hidden_states"], meta)):
+            for tensor in (row["hidden_states"], other["hidden_states"], decode_states(hf[i], meta)):
                 assert torch.equal(tensor.view(torch.int16), stored)
             assert torch.equal(row["input_ids"], other["input_ids"]) and torch.equal(row["loss_mask"], other["loss_mask"])
-        arrow = hf.with_format("arrow")[0:1]["hidden_states"][0]  # zero-copy Arrow scalar
-        assert torch.equal(decode_states(arrow, meta), rows[codec][0]["hidden_states"])
+        arrow = hf.with_format("arrow")[0:1]  # zero-copy Arrow scalars
+        assert torch.equal(decode_states({k: arrow[k][0] for k in arrow.column_names}, meta),
+                           rows[codec][0]["hidden_states"])
+        assert torch.equal(decode_states(arrow["hidden_states"][0], meta, verify=False), rows[codec][0]["hidden_states"])
+        with pytest.raises(TypeError, match="pass the whole row"):
+            decode_states(hf[0]["hidden_states"], meta)
 
 
 def test_the_trainers_readers_return_the_same_tensors_with_and_without_compression(packed):
@@ -201,19 +206,39 @@ def test_a_dropped_store_file_comes_back_from_the_compressed_shard_bit_for_bit(p
         assert torch.equal(load_file(str(restored))["token_ids"], load_file(str(original))["token_ids"])
 
 
-def test_a_dataset_written_before_compression_still_loads(packed, tmp_path):
-    """Format 1, as every dataset before compression: raw uint16 lists, no `compression` in the metadata."""
-    old = tmp_path / "dataset"
-    shutil.copytree(packed["none"] / "dataset", old)
-    meta = read_metadata(old)
-    del meta["compression"]
-    meta["format_version"] = 1
-    (old / "eagle3_metadata.json").write_text(json.dumps(meta))
-    assert "OK, 6 samples" in check_dataset(old)
-    for row, new in zip(open_dataset(old), open_dataset(packed["zstd"] / "dataset")):
-        assert torch.equal(row["hidden_states"].view(torch.int16), new["hidden_states"].view(torch.int16))
-    assert torch.equal(decode_states(datasets.load_from_disk(str(old))[0]["hidden_states"], meta),
-                       open_dataset(old)[0]["hidden_states"])
+def without_checksums(dataset: Path, out: Path, format_version: int) -> dict:
+    """A copy of `dataset` as an older eagle3data wrote it: no checksum columns, format 1 (raw, no
+    `compression` key) or 2; its metadata."""
+    shutil.copytree(dataset, out)
+    path = out / "data-00000-of-00001.arrow"
+    table = pa.ipc.open_stream(path.read_bytes()).read_all().drop_columns(["hidden_states_crc32", "tokens_crc32"])
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    meta = read_metadata(out)
+    del meta["checksums"]
+    if format_version == 1:
+        del meta["compression"]
+    meta["format_version"] = format_version
+    (out / "eagle3_metadata.json").write_text(json.dumps(meta))
+    info = json.loads((out / "dataset_info.json").read_text())
+    for name in ("hidden_states_crc32", "tokens_crc32"):
+        del info["features"][name]
+    (out / "dataset_info.json").write_text(json.dumps(info))
+    return meta
+
+
+def test_a_dataset_written_before_compression_or_checksums_still_loads(packed, tmp_path):
+    """Format 1, as every dataset before compression: raw uint16 lists, no `compression` in the metadata;
+    format 2, compressed: neither has checksums, and both load, saying their verification is not available."""
+    for version, codec in ((1, "none"), (2, "zstd")):
+        old = tmp_path / f"dataset-{version}"
+        meta = without_checksums(packed[codec] / "dataset", old, version)
+        assert "OK, 6 samples" in check_dataset(old)
+        assert open_dataset(old).verification == "not available"
+        for row, new in zip(open_dataset(old), open_dataset(packed["zstd"] / "dataset")):
+            assert torch.equal(row["hidden_states"].view(torch.int16), new["hidden_states"].view(torch.int16))
+        assert torch.equal(decode_states(datasets.load_from_disk(str(old))[0]["hidden_states"], meta),
+                           open_dataset(old)[0]["hidden_states"])
 
 
 def test_check_dataset_refuses_a_frame_that_is_not_whole(packed, tmp_path):

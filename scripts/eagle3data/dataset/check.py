@@ -1,19 +1,29 @@
-"""Re-check a packed dataset on its own: `python -m eagle3data.dataset.check PATH [PATH ...]`.
+"""Re-check a packed dataset on its own: `python -m eagle3data.dataset.check [--full] PATH [PATH ...]`.
 
 A dataset copied, moved or merged by hand has lost the pipeline's guarantees; this restores them from
-the dataset alone, without reading the hidden states' values: the metadata is present and complete, the
-Arrow schema is the one the metadata implies, the row count equals the packed count recorded at pack
-time (and the counts reconcile), sample ids are unique, and every row is whole (ids, mask and one state
-row per token; a binary mask with a trainable token). Compressed states (storage/compression.py) are not
-decompressed: each row's frame header says how many bytes it holds, one token's states per
-`n_captures x hidden_size` values. `pack` runs it on every dataset before publishing.
+the dataset alone. The default (quick) check reads no hidden states' values: the metadata is present and
+complete, the Arrow schema is the one the metadata implies, the row count equals the packed count
+recorded at pack time (and the counts reconcile), sample ids are unique, and every row is whole (ids,
+mask and one state row per token; a binary mask with a trainable token). Compressed states
+(storage/compression.py) are not decompressed: each row's frame header says how many bytes it holds,
+one token's states per `n_captures x hidden_size` values. `pack` runs it on every dataset before
+publishing.
+
+`--full` then reads every byte: each data file's Arrow structure validated in full, every row decoded
+and verified against its checksums (format.py: each capture's CRC32, and the tokens'), rows side by side
+in `--threads` threads (default: the cores). It lists every damaged row by index, sample and capture. A
+dataset packed before checksums (format 1 or 2) is decoded row by row, its verification "not available".
 Exit status 0 with a one-line summary per dataset, 1 with every failure listed.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import datasets
@@ -23,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from eagle3data.dataset import format as fmt
-from eagle3data.storage.compression import frame_bytes
+from eagle3data.storage.compression import available_cores, frame_bytes
 from eagle3data.contracts.failures import BoundaryError, Failure, show, summary, validate
 from eagle3data.contracts.schemas import PackedRows
 
@@ -49,6 +59,8 @@ def _metadata(path: Path) -> tuple[dict, list[Failure]]:
                              show(meta["format_version"]), str(meta_file)))
     elif meta.get("format_version", fmt.FORMAT_VERSION) >= 2 and "compression" not in meta:
         found.append(Failure("-", "metadata key compression", "present", "missing", str(meta_file)))
+    if fmt.has_checksums(meta) and "checksums" not in meta:
+        found.append(Failure("-", "metadata key checksums", "present", "missing", str(meta_file)))
     return meta, found
 
 
@@ -129,15 +141,86 @@ def check_dataset(path: str | Path) -> str:
             f"{meta['hidden_size']} {meta['dtype']}")
 
 
+ROWS_A_TASK = 8  # rows one thread verifies at a time in the full check
+
+
+def data_files(path: Path) -> list[Path]:
+    """The dataset's Arrow files in row order, as its state.json lists them."""
+    state = json.loads((path / "state.json").read_text())
+    return [path / f["filename"] for f in state["_data_files"]]
+
+
+def full_check(path: str | Path, threads: int | None = None) -> tuple[str, list[Failure]]:
+    """Read and verify every byte of the dataset at `path` (it passed `check_dataset`): every failure, by
+    row and capture, and a summary of what was read."""
+    path = Path(path)
+    meta = fmt.read_metadata(path)
+    checked = fmt.has_checksums(meta)
+    checker = fmt.RowChecker.of(path, meta)
+    threads = threads or available_cores()
+    found: list[Failure] = []
+    began, first, stored = time.perf_counter(), 0, 0
+
+    def verify(table: pa.Table, rows: range, where: str) -> list[Failure]:
+        failed = []
+        for i in rows:
+            if checked:
+                _, problems = checker.row(table, i, meta["hidden_size"])
+            else:  # no checksums: at least every row decodes
+                try:
+                    fmt.stored_states(table, i, len(meta["captures"]), meta["hidden_size"])
+                    problems = []
+                except Exception as exc:  # noqa: BLE001
+                    problems = [("hidden_states of every capture", "states that decode", f"{type(exc).__name__}: {exc}")]
+            sample = str(table.column("sample_id")[i].as_py())
+            failed += [Failure(sample, f"row {first + i}: {what}", want, got, where) for what, want, got in problems]
+        return failed
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="eagle3data-check") as pool:
+        for file in data_files(path):
+            stored += file.stat().st_size
+            try:
+                table = pa.ipc.open_stream(pa.memory_map(str(file))).read_all()
+                table.validate(full=True)
+            except (OSError, pa.ArrowException) as exc:
+                found.append(Failure("-", "Arrow structure", "a whole Arrow stream", f"{type(exc).__name__}: {exc}",
+                                     str(file)))
+                continue
+            pending: deque = deque()
+            for start in range(0, table.num_rows, ROWS_A_TASK):
+                pending.append(pool.submit(verify, table, range(start, min(start + ROWS_A_TASK, table.num_rows)),
+                                           str(file)))
+                while len(pending) > 4 * threads:
+                    found += pending.popleft().result()
+            while pending:
+                found += pending.popleft().result()
+            first += table.num_rows
+    seconds = time.perf_counter() - began
+    what = ("every row's CRC32s verified" if checked else
+            f"every row decoded; checksums not available (format {meta.get('format_version')})")
+    return (f"full: {stored / 1e9:.3f} GB read in {seconds:.1f} s ({stored / 1e9 / max(seconds, 1e-9):.2f} GB/s, "
+            f"{threads} threads), {what}"), found
+
+
 def main(argv: list[str] | None = None) -> int:
-    paths = sys.argv[1:] if argv is None else argv
-    if not paths:
-        print(__doc__.strip().splitlines()[0], file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="packed dataset directory")
+    parser.add_argument("--full", action="store_true",
+                        help="also read every byte and verify every row's checksums, naming every damaged row")
+    parser.add_argument("--threads", type=int, default=None, help="--full: rows verified at once (default: cores)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     status = 0
-    for path in paths:
+    for path in args.paths:
         try:
-            print(check_dataset(path))
+            line = check_dataset(path)
+            if args.full:
+                done, found = full_check(path, args.threads)
+                if found:
+                    total = fmt.read_metadata(path)["counts"]["packed"]
+                    raise DatasetCheckError(summary(f"dataset {path} fails its full check ({done})", found, total,
+                                                    [str(path)]))
+                line += f"; {done}"
+            print(line)
         except DatasetCheckError as exc:
             print(exc, file=sys.stderr)
             status = 1

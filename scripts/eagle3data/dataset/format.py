@@ -12,6 +12,15 @@ So the states are held as their raw 16-bit patterns, stored in one of two ways, 
 What each slot means is in the metadata (`eagle3` key of the dataset info), written by `pack` and
 checked by `open_dataset`.
 
+Every row carries checksums (format 3): `hidden_states_crc32`, per capture in slot order the CRC32 of
+its raw values (`[L, H]` in storage dtype, token by token: the CRCs validate recorded and pack proved the
+stored bytes give back), and `tokens_crc32`, the CRC32 of the row's sample id (UTF-8), `input_ids`
+(int32), `loss_mask` (int8) and `seq_len` (int32), little-endian, in that order. Every reader here
+verifies them by default (`RowChecker`): a changed byte is an `IntegrityError` naming the dataset, the
+row and the capture, never changed values. `verify=False`, or `EAGLE3DATA_VERIFY=0` in the environment
+(for the trainers' readers, which take no arguments of ours), skips it. A dataset of format 1 or 2 has no
+checksums: it loads, and says verification is "not available".
+
 torch is imported where tensors are made, not with the module: the pack_shard and index jobs, which
 write and check the dataset's files with numpy and Arrow, then start without it (~5 s of imports on the
 H200's VM).
@@ -20,8 +29,10 @@ H200's VM).
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,13 +40,27 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
+from eagle3data.utils.logs import get_logger
+
 if TYPE_CHECKING:
     import torch
 
 METADATA_FILE = "eagle3_metadata.json"
-FORMAT_VERSION = 2  # 2: the metadata's `compression` says how hidden_states is stored; 1: raw values
-READABLE_VERSIONS = (1, 2)
-COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len", "hidden_states")
+# 3: every row carries its CRC32s; 2: the metadata's `compression` says how hidden_states is stored; 1: raw
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+STATES_CRC = "hidden_states_crc32"  # per row: [n_captures] uint32, each capture's raw values
+TOKENS_CRC = "tokens_crc32"  # per row: uint32 of sample_id, input_ids, loss_mask, seq_len
+COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len", "hidden_states", STATES_CRC, TOKENS_CRC)
+CHECKSUMS = {  # the metadata's `checksums`: what the two columns hold
+    "algorithm": "CRC-32 (zlib's polynomial and values)",
+    STATES_CRC: "per capture, slot order: the capture's raw values [seq_len, hidden_size] in the storage dtype "
+                "(bf16 as its 16-bit patterns), token by token, as validate recorded them",
+    TOKENS_CRC: "sample_id (UTF-8), input_ids (int32), loss_mask (int8), seq_len (int32), little-endian, in "
+                "that order",
+}
+logger = get_logger(__name__)
+VERIFY_ENV = "EAGLE3DATA_VERIFY"  # "0": readers skip verifying the checksums (the default verifies)
 STORAGE_DTYPES = {"bfloat16": "uint16", "float32": "float32"}  # the states' dtype -> its Arrow storage
 
 
@@ -45,24 +70,38 @@ def torch_dtype(dtype: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def has_checksums(meta: dict) -> bool:
+    """Whether a dataset with this metadata carries checksums (format 3; metadata without a version is
+    being packed now, so yes)."""
+    return meta.get("format_version", FORMAT_VERSION) >= 3
+
+
+def verifying(verify: bool | None = None) -> bool:
+    """Whether a reader verifies checksums: `verify` where given, else unless EAGLE3DATA_VERIFY=0."""
+    return verify if verify is not None else os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no")
+
+
 def is_compressed(meta: dict) -> bool:
     """Whether a dataset with this metadata stores its states compressed (a frame per row)."""
     return (meta.get("compression") or {}).get("codec", "none") != "none"
 
 
-def features(n_captures: int, hidden_size: int, dtype: str, compressed: bool = False) -> datasets.Features:
+def features(n_captures: int, hidden_size: int, dtype: str, compressed: bool = False,
+             checksums: bool = True) -> datasets.Features:
     storage = STORAGE_DTYPES[dtype]
     states = (datasets.Value("large_binary") if compressed else
               datasets.List(datasets.List(datasets.Value(storage), length=n_captures * hidden_size)))
-    return datasets.Features(
-        {
-            "sample_id": datasets.Value("string"),
-            "input_ids": datasets.List(datasets.Value("int32")),
-            "loss_mask": datasets.List(datasets.Value("int8")),
-            "seq_len": datasets.Value("int32"),
-            "hidden_states": states,
-        }
-    )
+    columns = {
+        "sample_id": datasets.Value("string"),
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "loss_mask": datasets.List(datasets.Value("int8")),
+        "seq_len": datasets.Value("int32"),
+        "hidden_states": states,
+    }
+    if checksums:
+        columns[STATES_CRC] = datasets.List(datasets.Value("uint32"), length=n_captures)
+        columns[TOKENS_CRC] = datasets.Value("uint32")
+    return datasets.Features(columns)
 
 
 def token_bytes(meta: dict) -> int:
@@ -72,7 +111,8 @@ def token_bytes(meta: dict) -> int:
 
 def meta_features(meta: dict) -> datasets.Features:
     """The features a dataset with this metadata has."""
-    return features(len(meta["captures"]), meta["hidden_size"], meta["dtype"], is_compressed(meta))
+    return features(len(meta["captures"]), meta["hidden_size"], meta["dtype"], is_compressed(meta),
+                    has_checksums(meta))
 
 
 def states_array(states: np.ndarray, lengths: list[int], dtype: str) -> pa.Array:
@@ -102,10 +142,83 @@ class DatasetFormatError(ValueError):
     pass
 
 
-class PackedDataset:
-    """A packed dataset opened for reading: `len()`, indexing and iteration yield torch tensors."""
+class IntegrityError(DatasetFormatError):
+    """Stored bytes that are not the ones packed: a row whose checksums fail, or whose states do not
+    decode. The message names the dataset, the row, its sample and each failing capture."""
 
-    def __init__(self, path: str | Path):
+
+def tokens_crc(sample_id: str, input_ids: np.ndarray, loss_mask: np.ndarray, seq_len: int) -> int:
+    """A row's `tokens_crc32` (CHECKSUMS)."""
+    from isal import isal_zlib
+
+    value = isal_zlib.crc32(sample_id.encode())
+    for values, dtype in ((input_ids, "<i4"), (loss_mask, "i1"), (np.array([seq_len]), "<i4")):
+        value = isal_zlib.crc32(np.ascontiguousarray(values, dtype=dtype).view(np.uint8), value)
+    return value
+
+
+@dataclass(frozen=True)
+class RowChecker:
+    """Verifies rows of a packed table against their checksums (`where`: the dataset or file, for messages)."""
+
+    where: str
+    captures: tuple[str, ...]  # the captures' names, slot order
+
+    @classmethod
+    def of(cls, where: str | Path, meta: dict) -> RowChecker:
+        return cls(str(where), tuple(c.get("name", f"slot {s}") for s, c in enumerate(meta["captures"])))
+
+    def row(self, table: pa.Table, i: int, hidden_size: int) -> tuple[np.ndarray | None, list[tuple[str, str, str]]]:
+        """Row i's states (None where they do not decode) and every check it fails: (what, expected, found)."""
+        try:
+            states, failed = stored_states(table, i, len(self.captures), hidden_size), []
+        except Exception as exc:  # noqa: BLE001 (a damaged frame fails in Blosc2's several ways)
+            states, failed = None, [_undecodable(exc)]
+        return states, failed + self.compare(
+            states, table.column(STATES_CRC)[i].values.to_numpy(zero_copy_only=False).tolist(),
+            table.column(TOKENS_CRC)[i].as_py(), str(table.column("sample_id")[i].as_py()),
+            table.column("input_ids")[i].values.to_numpy(zero_copy_only=False),
+            table.column("loss_mask")[i].values.to_numpy(zero_copy_only=False), table.column("seq_len")[i].as_py())
+
+    def compare(self, states: np.ndarray | None, states_crcs: list[int], stated_tokens_crc: int, sample_id: str,
+                input_ids: np.ndarray, loss_mask: np.ndarray, seq_len: int) -> list[tuple[str, str, str]]:
+        """The checks a row fails, from its values and the CRCs it states (`states` None: not decoded)."""
+        failed = []
+        if states is not None:
+            for slot, (want, got) in enumerate(zip(states_crcs, capture_crcs(states))):
+                if want != got:
+                    failed.append((f"capture {slot} ({self.captures[slot]}) {STATES_CRC}", f"{want:08x}", f"{got:08x}"))
+        got = tokens_crc(sample_id, input_ids, loss_mask, seq_len)
+        if stated_tokens_crc != got:
+            failed.append((f"{TOKENS_CRC} (sample_id, input_ids, loss_mask, seq_len)", f"{stated_tokens_crc:08x}",
+                           f"{got:08x}"))
+        return failed
+
+    def refuse(self, index: int | None, sample_id: str, problems: list[tuple[str, str, str]]) -> IntegrityError:
+        row = f"row {index} (sample {sample_id})" if index is not None else f"the row of sample {sample_id}"
+        lines = "\n".join(f"  {row} | {what} | expected {want} | found {got}" for what, want, got in problems)
+        return IntegrityError(
+            f"{self.where}: {row} is not what pack wrote:\n{lines}\nThe stored bytes changed after packing (a "
+            f"damaged copy, disk or memory): copy the dataset again from its source, or pack it again. "
+            f"`python -m eagle3data.dataset.check --full {self.where}` lists every damaged row."
+        )
+
+
+def _undecodable(exc: Exception) -> tuple[str, str, str]:
+    return "hidden_states of every capture", "states that decode", f"{type(exc).__name__}: {exc}"
+
+
+def capture_crcs(states: np.ndarray) -> list[int]:
+    from eagle3data.storage.compression import capture_crcs as crcs
+
+    return crcs(states)
+
+
+class PackedDataset:
+    """A packed dataset opened for reading: `len()`, indexing and iteration yield torch tensors, each row
+    verified against its checksums unless `verify` is False (None: unless EAGLE3DATA_VERIFY=0)."""
+
+    def __init__(self, path: str | Path, verify: bool | None = None):
         self.path = Path(path)
         meta_file = self.path / METADATA_FILE
         if not meta_file.is_file():
@@ -120,44 +233,74 @@ class PackedDataset:
         self.n_captures = len(self.metadata["captures"])
         self.hidden_size = self.metadata["hidden_size"]
         self._torch_dtype = torch_dtype(self.metadata["dtype"])
+        checked = has_checksums(self.metadata)
+        self.checker = RowChecker.of(self.path, self.metadata) if checked and verifying(verify) else None
+        # What reading verifies: "crc32" (every row, as read), "off" (asked not to), "not available".
+        self.verification = "crc32" if self.checker else ("off" if checked else "not available")
+        if not checked:
+            logger.warning("%s: format %s carries no checksums (packed before they were added): rows are read "
+                           "unverified (verification not available); pack it again to have them",
+                           self.path, self.metadata.get("format_version"))
 
     def __len__(self) -> int:
         return len(self.hf)
 
     def __getitem__(self, index: int) -> dict:
-        return next(self._rows(self.hf[index : index + 1]))
+        if index < 0:
+            index += len(self)
+        return next(self._rows(self.hf[index : index + 1], index))
 
     def __iter__(self) -> Iterator[dict]:
+        first = 0
         for batch in self.hf.iter(batch_size=64):
-            yield from self._rows(batch)
+            yield from self._rows(batch, first)
+            first += batch.num_rows
 
-    def _rows(self, table: pa.Table) -> Iterator[dict]:
-        return read_rows(table, self.n_captures, self.hidden_size, self._torch_dtype)
+    def _rows(self, table: pa.Table, first: int) -> Iterator[dict]:
+        return read_rows(table, self.n_captures, self.hidden_size, self._torch_dtype, self.checker, first)
 
 
-def read_rows(table: pa.Table, n_captures: int, hidden_size: int, torch_dtype: torch.dtype) -> Iterator[dict]:
+def read_rows(table: pa.Table, n_captures: int, hidden_size: int, torch_dtype: torch.dtype,
+              checker: RowChecker | None = None, first: int = 0) -> Iterator[dict]:
     """Rows of a packed table as torch tensors; `hidden_states` a read-only view of the table's memory, or
-    (compressed) the row decompressed into new memory."""
+    (compressed) the row decompressed into new memory. With `checker`, each row is verified first (an
+    IntegrityError names the row: `first` + its index in `table`)."""
     import torch
 
     for i in range(table.num_rows):
+        sample_id = table.column("sample_id")[i].as_py()
+        if checker is None:
+            stored = stored_states(table, i, n_captures, hidden_size)
+        else:
+            stored, problems = checker.row(table, i, hidden_size)
+            if problems:
+                raise checker.refuse(first + i, sample_id, problems)
         ids = table.column("input_ids")[i].values.to_numpy(zero_copy_only=False)
         mask = table.column("loss_mask")[i].values.to_numpy(zero_copy_only=False)
         with warnings.catch_warnings():  # a read-only view of the memory-mapped file, on purpose
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            states = torch.from_numpy(stored_states(table, i, n_captures, hidden_size)).view(torch_dtype)
+            states = torch.from_numpy(stored).view(torch_dtype)
         yield {
-            "sample_id": table.column("sample_id")[i].as_py(),
+            "sample_id": sample_id,
             "input_ids": torch.from_numpy(ids.astype(np.int64)),
             "loss_mask": torch.from_numpy(mask.astype(np.int64)),
             "hidden_states": states,
         }
 
 
+def table_checker(table: pa.Table, where: str | Path, n_captures: int) -> RowChecker | None:
+    """A checker for a packed table read without its dataset's metadata (a packed shard in the store):
+    None where the table carries no checksums (packed before them)."""
+    if STATES_CRC not in table.column_names:
+        return None
+    return RowChecker(str(where), tuple(f"slot {s}" for s in range(n_captures)))
+
+
 def stored_states(table: pa.Table, i: int, n_captures: int, hidden_size: int) -> np.ndarray:
     """Row i's states `[L, n_captures, H]` in their storage dtype (bf16 as its 16-bit patterns): a read-only
     view of raw values, or a compressed row decompressed (the column's type says which: a packed shard
-    is read without its dataset's metadata when a dropped store file is restored)."""
+    is read without its dataset's metadata when a dropped store file is restored). Not verified: see
+    RowChecker."""
     column = table.column("hidden_states")
     if pa.types.is_large_binary(column.type):
         from eagle3data.storage.compression import decode
@@ -184,23 +327,51 @@ def frame_buffer(column: pa.ChunkedArray, i: int) -> pa.Buffer | None:
     return data.slice(int(begin), int(end - begin))
 
 
-def decode_states(value, metadata: dict) -> torch.Tensor:
-    """One row's `hidden_states` as `datasets.load_from_disk` returns it (bytes of a Blosc2 frame, or the
-    raw values' nested lists) -> the torch tensor `[L, n_captures, H]` of the metadata's dtype (bf16).
-    `metadata`: the dataset's `eagle3_metadata.json` (`read_metadata`)."""
+def decode_states(value, metadata: dict, verify: bool | None = None) -> torch.Tensor:
+    """One row's `hidden_states` as `datasets.load_from_disk` returns it -> the torch tensor `[L, n_captures,
+    H]` of the metadata's dtype (bf16). `value`: the whole row (`hf[i]`, a dict), whose checksums are then
+    verified (an IntegrityError names the sample and capture), or the row's `hidden_states` alone (bytes
+    of a Blosc2 frame, or the raw values' nested lists), which a dataset with checksums refuses unless
+    `verify=False` (None: unless EAGLE3DATA_VERIFY=0). `metadata`: the dataset's `eagle3_metadata.json`
+    (`read_metadata`)."""
     import torch
 
     n, hidden = len(metadata["captures"]), metadata["hidden_size"]
     storage = np.dtype(STORAGE_DTYPES[metadata["dtype"]])
+    row = value if isinstance(value, dict) else None
+    check = has_checksums(metadata) and verifying(verify)
+    if row is not None:
+        value = row["hidden_states"]
+    elif check:
+        raise TypeError("decode_states: this dataset carries checksums; pass the whole row (hf[i]) to verify "
+                        "them, or verify=False to decode its hidden_states unverified")
+    if isinstance(value, pa.Scalar):
+        value = value.as_buffer() if pa.types.is_large_binary(value.type) else value.as_py()
+    failed = []
     if isinstance(value, (bytes, bytearray, memoryview, pa.Buffer)):
         from eagle3data.storage.compression import decode
 
-        states = decode(value, n, hidden, storage)
-    elif isinstance(value, pa.Scalar):
-        return decode_states(value.as_buffer() if pa.types.is_large_binary(value.type) else value.as_py(), metadata)
+        try:
+            states = decode(value, n, hidden, storage)
+        except Exception as exc:  # noqa: BLE001
+            if not check:
+                raise
+            states, failed = None, [_undecodable(exc)]
     else:
         states = np.asarray(value, dtype=storage).reshape(-1, n, hidden)
+    if check:
+        checker, sample_id = RowChecker.of("the dataset", metadata), str(_py(row, "sample_id"))
+        failed += checker.compare(states, _py(row, STATES_CRC), _py(row, TOKENS_CRC), sample_id,
+                                  np.asarray(_py(row, "input_ids")), np.asarray(_py(row, "loss_mask")),
+                                  _py(row, "seq_len"))
+        if failed:
+            raise checker.refuse(None, sample_id, failed)
     return torch.from_numpy(states).view(torch_dtype(metadata["dtype"]))
+
+
+def _py(row: dict, key: str):
+    value = row[key]
+    return value.as_py() if isinstance(value, pa.Scalar) else value
 
 
 def read_metadata(path: str | Path) -> dict:
@@ -208,6 +379,7 @@ def read_metadata(path: str | Path) -> dict:
     return json.loads((Path(path) / METADATA_FILE).read_text())
 
 
-def open_dataset(path: str | Path) -> PackedDataset:
-    """Open a packed dataset: rows have `input_ids`, `loss_mask` and bf16 `hidden_states [L, n, H]`."""
-    return PackedDataset(path)
+def open_dataset(path: str | Path, verify: bool | None = None) -> PackedDataset:
+    """Open a packed dataset: rows have `input_ids`, `loss_mask` and bf16 `hidden_states [L, n, H]`, each
+    row verified against its checksums as it is read (`verify=False`, or EAGLE3DATA_VERIFY=0: not)."""
+    return PackedDataset(path, verify)

@@ -67,7 +67,8 @@ def index(job: IndexJob) -> dict:
                               columns=["sample_id", "source_row", "source_id", "reason"])
     counts = _reconcile(job.conversations_in, sum(s["split_samples"] for s in summaries),
                         sum(s["packed"] for s in summaries), skipped + [duplicates])
-    meta = {**job.metadata, "format_version": fmt.FORMAT_VERSION, "counts": counts}
+    _refuse_unchecksummed([Path(s["arrow"]) for s in summaries])
+    meta = {**job.metadata, "format_version": fmt.FORMAT_VERSION, "checksums": fmt.CHECKSUMS, "counts": counts}
     features = fmt.meta_features(meta)
     _write_dataset_files(tmp, n, features, meta)
     write_card(tmp, meta)
@@ -81,6 +82,18 @@ def index(job: IndexJob) -> dict:
     atomic_write_text(job.counts_out, json.dumps(counts_doc, indent=2))
     logger.info("dataset %s: %d samples (%.1f MB) in %d packed shards", out, counts["packed"], nbytes / 1e6, n)
     return counts_doc
+
+
+def _refuse_unchecksummed(shards: list[Path]) -> None:
+    """Every packed shard carries its rows' checksums (format.py): one packed before they were added
+    must be packed again before it joins a dataset."""
+    import pyarrow as pa
+
+    old = [str(p) for p in shards if fmt.STATES_CRC not in pa.ipc.open_stream(pa.memory_map(str(p))).schema.names]
+    if old:
+        raise ReconciliationError(
+            f"packed shards without checksum columns ({fmt.STATES_CRC}, {fmt.TOKENS_CRC}), packed by an older "
+            f"eagle3data: {', '.join(old)}. Pack them again: snakemake --forcerun pack_shard")
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

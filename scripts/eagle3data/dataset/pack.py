@@ -18,6 +18,9 @@ each sample's file: pack stores the file's frame as it is, checked by the CRC of
 values' CRCs its header states (`_verified_states`). A raw file (written before compression was turned
 on, or restored from a packed shard) is compressed by the thread that read it, and its frame checked
 by decompressing it against the CRCs validate recorded.
+
+Each row carries those CRCs (`hidden_states_crc32`, per capture) and one of its sample id, token ids, mask
+and length (`tokens_crc32`), which every reader verifies (format.py).
 """
 
 from __future__ import annotations
@@ -205,6 +208,9 @@ def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, d
             "input_ids": fmt.list_array([r.input_ids for r in chunk]),
             "loss_mask": fmt.list_array([r.loss_mask for r in chunk]),
             "seq_len": lengths,
+            # The CRCs validate recorded, which _verified_states proved the stored states give back.
+            fmt.STATES_CRC: [[int(c.checksum, 16) for c in captures[r.sample_id]] for r in chunk],
+            fmt.TOKENS_CRC: [fmt.tokens_crc(r.sample_id, r.input_ids, r.loss_mask, n) for r, n in zip(chunk, lengths)],
         }, fmt.frames_array(frames) if compression else fmt.states_array(states, lengths, meta["dtype"])
 
 
@@ -325,8 +331,8 @@ def _record_batch(columns: dict, states, features: datasets.Features):
     import pyarrow as pa
 
     schema = features.arrow_schema
-    arrays = [pa.array(columns[name], type=schema.field(name).type) for name in fmt.COLUMNS[:-1]]
-    arrays.append(states)
+    arrays = [states if name == "hidden_states" else pa.array(columns[name], type=schema.field(name).type)
+              for name in schema.names]
     return pa.Table.from_arrays(arrays, schema=schema)
 
 

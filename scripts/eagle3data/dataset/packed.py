@@ -53,8 +53,9 @@ def restore_missing(store_dir: str | os.PathLike, samples_dir: str | os.PathLike
     store's packed shards, the files of these samples that are missing there; the ids restored."""
     missing = {s for s in sample_ids if not sample_path(samples_dir, s).exists()}
     restored = []
-    for sample_id, table, i in _packed_rows(store_dir, missing):
-        _restore_file(sample_path(samples_dir, sample_id), table.slice(i, 1), n_captures, hidden_size, dtype)
+    for sample_id, table, i, arrow in _packed_rows(store_dir, missing):
+        _restore_file(sample_path(samples_dir, sample_id), table.slice(i, 1), n_captures, hidden_size, dtype,
+                      f"{arrow}, row {i}")
         restored.append(sample_id)
     if restored:
         logger.info("restored %d dropped states files from the packed shards in %s", len(restored),
@@ -62,15 +63,16 @@ def restore_missing(store_dir: str | os.PathLike, samples_dir: str | os.PathLike
     return restored
 
 
-def _restore_file(path: Path, table, n_captures: int, hidden_size: int, dtype: str) -> None:
-    """A packed row (a table of one) as the per-sample file it was, facts measured into its header. Torch
-    and the tensor code are imported only here: the jobs that import this module rarely restore anything."""
+def _restore_file(path: Path, table, n_captures: int, hidden_size: int, dtype: str, where: str) -> None:
+    """A packed row (a table of one), verified against its checksums where the shard carries them, as the
+    per-sample file it was, facts measured into its header. Torch and the tensor code are imported only
+    here: the jobs that import this module rarely restore anything."""
     from safetensors.torch import save_file
 
-    from eagle3data.dataset.format import read_rows, torch_dtype
+    from eagle3data.dataset.format import read_rows, table_checker, torch_dtype
     from eagle3data.contracts.measuring import facts_header
 
-    row = next(read_rows(table, n_captures, hidden_size, torch_dtype(dtype)))
+    row = next(read_rows(table, n_captures, hidden_size, torch_dtype(dtype), table_checker(table, where, n_captures)))
     with atomic_path(path) as tmp:
         states = row["hidden_states"].contiguous()
         save_file({"hidden_states": states, "token_ids": row["input_ids"]}, tmp, metadata=facts_header(states))
@@ -97,16 +99,16 @@ def held_elsewhere(store_dir: str | os.PathLike, checksums: dict[str, list[str]]
     from eagle3data.dataset.format import stored_states
 
     held = []
-    for sample_id, table, i in _packed_rows(store_dir, set(checksums)):
+    for sample_id, table, i, _ in _packed_rows(store_dir, set(checksums)):
         states = stored_states(table, i, n_captures, hidden_size)
         if [checksum(states[:, slot, :]) for slot in range(n_captures)] == checksums[sample_id]:
             held.append(sample_id)
     return held
 
 
-def _packed_rows(store_dir, wanted: set[str]) -> Iterator[tuple[str, object, int]]:
+def _packed_rows(store_dir, wanted: set[str]) -> Iterator[tuple[str, object, int, Path]]:
     """Where the packed shards hold these samples, the first found of each: (id, the shard's table, the
-    row). The files (Arrow streams, as `datasets` writes them) are memory-mapped, so only the ids and
+    row, the shard's file). The files (Arrow streams, as `datasets` writes them) are memory-mapped, so only the ids and
     those rows' states are read; read with pyarrow alone: every extract job of a run with
     drop_packed_states asks here first, and importing `datasets` cost it ~0.5 s (up to 2 s on the H200's
     VM) while the engine waited."""
@@ -120,7 +122,7 @@ def _packed_rows(store_dir, wanted: set[str]) -> Iterator[tuple[str, object, int
         for i, sample_id in enumerate(table.column("sample_id").to_pylist()):
             if sample_id in wanted:
                 wanted.discard(sample_id)
-                yield sample_id, table, i
+                yield sample_id, table, i, arrow
         if not wanted:
             return
 
