@@ -258,3 +258,127 @@ def test_check_dataset_refuses_a_frame_that_is_not_whole(packed, tmp_path):
     ids = table["sample_id"].to_pylist()
     assert f"sample {ids[1]} | check state_rows == seq_len | expected {TOKENS} | found -1" in str(refused.value)
     assert f"sample {ids[2]} | check state_rows == seq_len | expected {TOKENS} | found {TOKENS - 1}" in str(refused.value)
+
+
+def flipped(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x24
+    path.write_bytes(bytes(data))
+
+
+def damaged_copy(packed: dict, codec: str, work: Path) -> tuple[Path, dict[int, str]]:
+    """A copy of the `codec` dataset with reader exports made from it, then a byte flipped in the stored
+    states of rows 1, 3 and 5 (raw: in captures 2, 0 and 3; zstd: inside the frame's compressed data) and
+    in row 4's token ids: (the copy, {row: the capture named, "" for the tokens})."""
+    from eagle3data.exports.specforge import export as export_specforge
+    from eagle3data.exports.speculators import export as export_speculators
+    from eagle3data.exports.vocab import write_vocab
+
+    dataset = work / "dataset"
+    shutil.copytree(packed[codec] / "dataset", dataset)
+    write_vocab(dataset, packed["model"], 64, work / "token_freq.pt", work / "vocab_mapping.pt")
+    export_speculators(dataset, work / "speculators", work / "token_freq.pt", work / "vocab_mapping.pt", states="reader")
+    export_specforge(dataset, work / "specforge", packed["model"], work / "vocab_mapping.pt", states="reader")
+    path = dataset / "data-00000-of-00001.arrow"
+    data, table = path.read_bytes(), datasets.load_from_disk(str(dataset)).with_format("arrow")[:]
+    damage = {}
+    for row, capture, token, fraction in ((1, 2, 5, 1 / 2), (3, 0, 0, 1 / 3), (5, 3, TOKENS - 1, 3 / 4)):
+        if codec == "zstd":
+            frame = table["hidden_states"][row].as_py()
+            flipped(path, data.index(frame) + int(len(frame) * fraction))
+            damage[row] = "hidden_states_crc32"  # which captures the decoded values change in
+        else:
+            states = np.array(table["hidden_states"][row].as_py(), dtype=np.uint16)
+            flipped(path, data.index(states.tobytes()) + ((token * 4 + capture) * 128 + 77) * 2 + 1)
+            damage[row] = f"capture {capture} "
+    ids = np.array(table["input_ids"][4].as_py(), dtype=np.int32)
+    flipped(path, data.index(ids.tobytes()) + 4 * 10)
+    damage[4] = "tokens_crc32"
+    return dataset, damage
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_a_flipped_byte_in_any_row_fails_every_reader_and_the_full_check_naming_row_and_capture(
+        packed, tmp_path, codec, monkeypatch):
+    from eagle3data.dataset.check import full_check, main as check_main
+    from eagle3data.dataset.format import IntegrityError
+    from eagle3data.exports.specforge_reader import PackedFeatures
+    from eagle3data.exports.speculators_reader import PackedStatesTransfer
+
+    dataset, damage = damaged_copy(packed, codec, tmp_path)
+    ds, hf, meta = open_dataset(dataset), datasets.load_from_disk(str(dataset)), read_metadata(dataset)
+    speculators, specforge = PackedStatesTransfer(tmp_path / "speculators"), PackedFeatures(tmp_path / "specforge")
+    assert ds.verification == "crc32"
+    for i in range(SAMPLES):
+        sid = hf[i]["sample_id"]
+        readers = [lambda: ds[i], lambda: decode_states(hf[i], meta), lambda: speculators.get_cached(i),
+                   lambda: specforge(i)]
+        if i not in damage:
+            for read in readers:
+                read()
+            continue
+        for read in readers:
+            with pytest.raises(IntegrityError) as refused:
+                read()
+            assert f"(sample {sid})" in str(refused.value) and damage[i] in str(refused.value), str(refused.value)
+            assert f"row {i} (sample {sid})" in str(refused.value) or read is readers[1]
+    with pytest.raises(IntegrityError, match="row 1 "):
+        list(ds)
+    assert "OK, 6 samples" in check_dataset(dataset)  # the quick check reads no values
+    _, found = full_check(dataset, threads=2)
+    assert sorted({f.check.split(":")[0] for f in found}) == [f"row {i}" for i in sorted(damage)]
+    for f in found:
+        assert damage[int(f.check.split(":")[0].split()[1])] in f.check
+    assert check_main(["--full", str(dataset)]) == 1 and check_main([str(dataset)]) == 0
+    changed = open_dataset(dataset, verify=False)[1]["hidden_states"]  # the documented switch: unverified
+    monkeypatch.setenv("EAGLE3DATA_VERIFY", "0")
+    assert open_dataset(dataset).verification == "off"
+    assert torch.equal(open_dataset(dataset)[1]["hidden_states"].view(torch.int16), changed.view(torch.int16))
+    if codec == "none":  # the values did change: only the checksums tell
+        intact = open_dataset(packed[codec] / "dataset")[1]["hidden_states"]
+        assert not torch.equal(intact.view(torch.int16), changed.view(torch.int16))
+
+
+def test_a_flipped_byte_in_an_export_file_fails_its_reader_naming_row_and_capture(packed, tmp_path):
+    """Files exports: speculators' hs_{i}.safetensors and SpecForge's data_<i>.ckpt state their CRC32s;
+    this project's readers of them (the eagle3data backend, the SpecForge loader's wrapper) verify them, and
+    the small files against the manifest."""
+    from safetensors import safe_open
+    from specforge.runtime.data_plane import feature_store
+
+    from eagle3data.dataset.format import IntegrityError
+    from eagle3data.exports.specforge import export as export_specforge
+    from eagle3data.exports.specforge_reader import resolve
+    from eagle3data.exports.speculators import export as export_speculators
+    from eagle3data.exports.speculators_reader import transfer
+
+    d, dataset = tmp_path, packed["zstd"] / "dataset"
+    write_vocab_args = (dataset, packed["model"], 64, d / "token_freq.pt", d / "vocab_mapping.pt")
+    from eagle3data.exports.vocab import write_vocab
+
+    write_vocab(*write_vocab_args)
+    export_speculators(dataset, d / "speculators", d / "token_freq.pt", d / "vocab_mapping.pt")
+    export_specforge(dataset, d / "specforge", packed["model"], d / "vocab_mapping.pt")
+    rows = transfer(d / "speculators")
+    for i in range(SAMPLES):
+        assert torch.equal(rows.get_cached(i)["hidden_states"], open_dataset(dataset)[i]["hidden_states"])
+    hs = d / "speculators" / "hidden_states" / "hs_2.safetensors"
+    with safe_open(str(hs), framework="pt") as f:
+        sid = json.loads(f.metadata()["eagle3data.crc32"])["sample_id"]
+    header = 8 + int.from_bytes(hs.read_bytes()[:8], "little")
+    begin = json.loads(hs.read_bytes()[8:header])["hidden_states"]["data_offsets"][0]
+    flipped(hs, header + begin + ((7 * 4 + 1) * 128 + 3) * 2)  # token 7, capture 1
+    with pytest.raises(IntegrityError, match=f"hs_2.safetensors: row 2 \\(sample {sid}\\).*capture 1 "):
+        transfer(d / "speculators").get_cached(2)
+    ckpt = d / "specforge" / "hidden_states" / "data_00000003.ckpt"
+    content = torch.load(ckpt, weights_only=False)
+    aux = content["aux_hidden_state"].contiguous().view(torch.int16).numpy().tobytes()
+    flipped(ckpt, ckpt.read_bytes().index(aux) + (9 * 3 + 2) * 128 * 2 + 11)  # token 9, capture 2
+    assert resolve(str(ckpt.with_name("data_00000002.ckpt")),
+                   feature_store.load_feature_file(str(ckpt.with_name("data_00000002.ckpt"))))
+    with pytest.raises(IntegrityError, match="row 3 .*aux_hidden_state capture 2"):
+        resolve(str(ckpt), feature_store.load_feature_file(str(ckpt)))
+    table = next((d / "speculators").glob("data-*.arrow"))
+    flipped(table, table.stat().st_size // 2)
+    with pytest.raises(IntegrityError, match=f"{table.name}: CRC32"):
+        transfer(d / "speculators").get_cached(0)

@@ -195,12 +195,13 @@ class RowChecker:
         return failed
 
     def refuse(self, index: int | None, sample_id: str, problems: list[tuple[str, str, str]]) -> IntegrityError:
-        row = f"row {index} (sample {sample_id})" if index is not None else f"the row of sample {sample_id}"
+        row = f"row {index} (sample {sample_id})" if index is not None else f"the row (sample {sample_id})"
         lines = "\n".join(f"  {row} | {what} | expected {want} | found {got}" for what, want, got in problems)
+        dataset = self.where if index is not None else "DATASET"
         return IntegrityError(
             f"{self.where}: {row} is not what pack wrote:\n{lines}\nThe stored bytes changed after packing (a "
             f"damaged copy, disk or memory): copy the dataset again from its source, or pack it again. "
-            f"`python -m eagle3data.dataset.check --full {self.where}` lists every damaged row."
+            f"`python -m eagle3data.dataset.check --full {dataset}` lists every damaged row."
         )
 
 
@@ -360,7 +361,7 @@ def decode_states(value, metadata: dict, verify: bool | None = None) -> torch.Te
     else:
         states = np.asarray(value, dtype=storage).reshape(-1, n, hidden)
     if check:
-        checker, sample_id = RowChecker.of("the dataset", metadata), str(_py(row, "sample_id"))
+        checker, sample_id = RowChecker.of("decode_states", metadata), str(_py(row, "sample_id"))
         failed += checker.compare(states, _py(row, STATES_CRC), _py(row, TOKENS_CRC), sample_id,
                                   np.asarray(_py(row, "input_ids")), np.asarray(_py(row, "loss_mask")),
                                   _py(row, "seq_len"))

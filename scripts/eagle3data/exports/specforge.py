@@ -17,6 +17,10 @@ vocabulary, for `model.vocab_mapping_path`) and `OUT/eagle3_export.json`. Memory
 to row i (`{"eagle3data_row": i}`, ~1 KB) and the final norm's weight once (`final_norm.pt`): trained
 through `python -m eagle3data.exports.specforge_reader`, SpecForge gets from each pointer the tensors above,
 computed from the packed dataset by the same function (`features`) as a files export writes them.
+
+Checksums: a files export's feature file holds, beside SpecForge's keys, `eagle3data_crc32` (its tensors'
+CRC32s, `aux_hidden_state` per capture; SpecForge reads only its own keys); a pointer names its row's
+sample id too. The reader checks both (specforge_reader.py).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -40,7 +45,45 @@ logger = get_logger(__name__)
 
 
 POINTER_KEY = "eagle3data_row"  # a reader export's feature file: which packed row it stands for
+SAMPLE_KEY = "eagle3data_sample_id"  # ... and that row's sample id (the reader checks it)
+CRC_KEY = "eagle3data_crc32"  # a files export's feature file: its tensors' CRC32s (`feature_crcs`)
 FINAL_NORM_FILE = "final_norm.pt"
+
+
+def tensor_bytes(t: torch.Tensor):
+    """A tensor's bytes as numpy uint8, not copied where it is contiguous."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def feature_crcs(content: dict, row: int, sample_id: str) -> dict:
+    """The CRC32s of a feature file's tensors, as ints: `aux_hidden_state` per capture (its `[L, n_aux, H]`
+    values, token by token, as the packed dataset's CRCs are taken), the others whole; with the packed row
+    and sample they come from."""
+    from isal import isal_zlib
+
+    from eagle3data.storage.compression import capture_crcs
+
+    aux = content["aux_hidden_state"]
+    hidden = content["hidden_state"].shape[-1]
+    values = tensor_bytes(aux).view(np.uint16 if aux.element_size() == 2 else np.uint32)
+    return {"row": row, "sample_id": sample_id,
+            "aux_hidden_state": capture_crcs(values.reshape(aux.shape[1], -1, hidden)),
+            **{k: isal_zlib.crc32(tensor_bytes(content[k])) for k in ("hidden_state", "input_ids", "loss_mask")}}
+
+
+def verify_features(path: str, content: dict) -> None:
+    """A files export's feature file against the CRC32s it states (IntegrityError naming the row, the
+    sample and each tensor or capture that fails)."""
+    from eagle3data.dataset.format import IntegrityError
+
+    stated = content[CRC_KEY]
+    found = feature_crcs(content, stated["row"], stated["sample_id"])
+    bad = [f"aux_hidden_state capture {c}" for c, (a, b) in
+           enumerate(zip(stated["aux_hidden_state"], found["aux_hidden_state"])) if a != b]
+    bad += [k for k in ("hidden_state", "input_ids", "loss_mask") if stated[k] != found[k]]
+    if bad:
+        raise IntegrityError(f"{path}: row {stated['row']} (sample {stated['sample_id']}) is not what the export wrote: "
+                             f"CRC32 of {', '.join(bad)} differ. Copy the export again from its source, or export again.")
 
 
 def features(row: dict, aux_slots: list[int], final_slot: int, norm: FinalNorm) -> dict:
@@ -67,7 +110,11 @@ def export(dataset_path: str | Path, out: str | Path, model_path: str | Path, vo
     with staging_dir(out) as tmp:
         (tmp / "hidden_states").mkdir()
         for i, row in enumerate(tqdm(ds, total=len(ds), desc="export specforge", unit="sample")):
-            content = {POINTER_KEY: i} if states == "reader" else features(row, lay.aux_slots, lay.final_slot, norm)
+            if states == "reader":
+                content = {POINTER_KEY: i, SAMPLE_KEY: row["sample_id"]}
+            else:
+                content = features(row, lay.aux_slots, lay.final_slot, norm)
+                content[CRC_KEY] = feature_crcs(content, i, row["sample_id"])
             torch.save(content, tmp / "hidden_states" / f"data_{i:08d}.ckpt")
         shutil.copyfile(vocab_mapping, tmp / "vocab_mapping.pt")
         backend = {}

@@ -9,6 +9,11 @@ as the tensors a files export holds for row i, computed from the packed row by t
 (`export_specforge.features`), with the final norm the export saved; any other file loads as before. The
 reader refuses a dataset that is not the one exported (fingerprint or sample count changed).
 
+Every file it loads is verified unless EAGLE3DATA_VERIFY=0: a files export's feature file against the
+CRC32s it holds (`eagle3data_crc32`), a pointer's row as `open_dataset` verifies rows and against the
+sample id the pointer names, and once per export the small files its manifest lists (`files_crc32`). A
+changed byte is an `IntegrityError` naming the file, the row and the tensor or capture.
+
 SpecForge has no plugin registry, so the wrapper is installed into its modules before they load a file:
 `python -m eagle3data.exports.specforge_reader train --config run.yaml` does that and runs SpecForge's CLI. It
 covers offline training (the feature store and the offline reader), not SpecForge's online or
@@ -23,8 +28,10 @@ from pathlib import Path
 
 import torch
 
-from eagle3data.exports.specforge import FINAL_NORM_FILE, POINTER_KEY, features
-from eagle3data.exports.common import open_exported_dataset, read_reader_manifest
+from eagle3data.dataset.format import IntegrityError, verifying
+from eagle3data.exports.specforge import CRC_KEY, FINAL_NORM_FILE, POINTER_KEY, SAMPLE_KEY, features, verify_features
+from eagle3data.exports.common import (MANIFEST_FILE, open_exported_dataset, read_manifest, read_reader_manifest,
+                                       verify_export_files)
 from eagle3data.exports.final_norm import FinalNorm
 
 
@@ -33,27 +40,38 @@ class PackedFeatures:
 
     def __init__(self, export_dir: Path):
         self.manifest = read_reader_manifest(export_dir)
+        verify_export_files(export_dir, self.manifest)
         self.norm = FinalNorm(**torch.load(export_dir / FINAL_NORM_FILE, weights_only=True))
         self.dataset = open_exported_dataset(export_dir, self.manifest)
 
-    def __call__(self, row: int) -> dict:
-        return features(self.dataset[row], self.manifest["aux_slots"], self.manifest["reader_final_slot"],
-                        self.norm)
+    def __call__(self, row: int, sample_id: str | None = None) -> dict:
+        packed = self.dataset[row]
+        if sample_id is not None and packed["sample_id"] != sample_id and verifying():
+            raise IntegrityError(f"a pointer to row {row} of {self.dataset.path} names sample {sample_id}, the row holds "
+                                 f"{packed['sample_id']}: the pointer file changed; copy the export again")
+        return features(packed, self.manifest["aux_slots"], self.manifest["reader_final_slot"], self.norm)
 
 
 _readers: dict[Path, PackedFeatures] = {}
+_checked: set[Path] = set()  # files exports whose manifest and small files were verified
 _opening = threading.Lock()  # the loader's prefetch threads ask at once
 
 
 def resolve(path: str, loaded: dict) -> dict:
-    """`loaded` as read from `path`; a pointer becomes its packed row's features."""
-    if POINTER_KEY not in loaded:
-        return loaded
+    """`loaded` as read from `path`, verified; a pointer becomes its packed row's features."""
     export_dir = Path(path).resolve().parent.parent  # <export>/hidden_states/data_<i>.ckpt
+    if POINTER_KEY not in loaded:
+        if CRC_KEY in loaded and verifying():
+            with _opening:
+                if export_dir not in _checked and (export_dir / MANIFEST_FILE).is_file():
+                    verify_export_files(export_dir, read_manifest(export_dir))
+                _checked.add(export_dir)
+            verify_features(path, loaded)
+        return loaded
     with _opening:
         if export_dir not in _readers:
             _readers[export_dir] = PackedFeatures(export_dir)
-    return _readers[export_dir](int(loaded[POINTER_KEY]))
+    return _readers[export_dir](int(loaded[POINTER_KEY]), loaded.get(SAMPLE_KEY))
 
 
 def install() -> None:

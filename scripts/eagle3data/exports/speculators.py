@@ -23,11 +23,18 @@ store, which has exactly these two tensors: the export then costs no state bytes
 is linked only when its tensors' names, shapes and dtypes are the ones written here, its token ids are
 the row's, and it is older than the packed dataset (store files are replaced, never changed in place, so
 it is the file pack read and checked); otherwise the file is written as a copy.
+
+Checksums: a written `hs_{i}.safetensors` states in its safetensors metadata (`eagle3data.crc32`) the
+CRC32 of each slot of its `hidden_states` (token by token, as the packed dataset's) and of its
+`token_ids`, with the row and sample; a linked store file states its captures' CRCs in the facts the
+connector wrote. speculators' own `file` backend reads neither; the `eagle3data` backend
+(speculators_reader.py) reads files exports too and verifies every file as it reads it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -35,6 +42,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import torch
 from datasets.arrow_writer import ArrowWriter
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -48,6 +56,7 @@ from eagle3data.exports.trainers import SPECULATORS, ExportRefused, layout
 from eagle3data.exports.vocab import read_mapping
 
 logger = get_logger(__name__)
+CRC_KEY = "eagle3data.crc32"  # a written hs_{i}.safetensors' metadata: `states_crcs`
 
 FEATURES = datasets.Features(
     {
@@ -83,12 +92,28 @@ def hard_link(stored: Path, target: Path) -> bool:
     return True
 
 
-def write_states_file(row: dict, slots: list[int], target: Path, stored: Path | None, packed_at: float) -> bool:
-    """Row's `hs_{i}.safetensors`: a hard link to `stored` where it holds exactly this (True), else written."""
+def states_crcs(states, token_ids) -> dict:
+    """The CRC32s an `hs_{i}.safetensors` states (hex): each slot of `hidden_states` `[L, n, H]`, and the
+    token ids' bytes."""
+    from isal import isal_zlib
+
+    from eagle3data.storage.compression import capture_crcs
+
+    values = states.contiguous().view(torch.uint16 if states.element_size() == 2 else torch.int32).numpy()
+    return {"hidden_states": [f"{c:08x}" for c in capture_crcs(values)],
+            "token_ids": f"{isal_zlib.crc32(token_ids.contiguous().numpy().view(np.uint8)):08x}"}
+
+
+def write_states_file(row: dict, slots: list[int], target: Path, stored: Path | None, packed_at: float,
+                      index: int = 0) -> bool:
+    """Row's `hs_{i}.safetensors`: a hard link to `stored` where it holds exactly this (True), else written
+    with its CRC32s in its metadata."""
     if stored is not None and linkable(stored, row, packed_at) and hard_link(stored, target):
         return True
     states = row["hidden_states"][:, slots, :].contiguous()  # a copy: this sample's bytes only
-    save_file({"hidden_states": states, "token_ids": row["input_ids"]}, str(target))
+    about = {"row": index, "sample_id": row["sample_id"], **states_crcs(states, row["input_ids"])}
+    save_file({"hidden_states": states, "token_ids": row["input_ids"]}, str(target),
+              metadata={CRC_KEY: json.dumps(about)})
     return False
 
 
@@ -114,7 +139,7 @@ def export(dataset_path: str | Path, out: str | Path, token_freq: str | Path, vo
                 if states == "files":
                     stored = sample_path(store_dir, row["sample_id"]) if store_dir and own_slots else None
                     linked += write_states_file(row, slots, tmp / "hidden_states" / f"hs_{i}.safetensors",
-                                                stored, packed_at)
+                                                stored, packed_at, i)
                 writer.write({"input_ids": row["input_ids"].tolist(), "loss_mask": row["loss_mask"].tolist(),
                               "seq_len": len(row["input_ids"])})
             writer.finalize()
