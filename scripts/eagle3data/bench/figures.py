@@ -31,7 +31,7 @@ from eagle3data.bench.crosscheck import parse_capture_arg, parse_engine_args
 DEMO_MODEL = "resources/demo-model"
 DEMO_CAPTURES = "2:input,4:input,5:input,7:output"
 NAMES = {"1": "extract", "7": "end_to_end", "7t": "end_to_end_tail", "2": "validate", "3": "pack",
-         "3m": "pack_memory", "4": "tokenize", "5": "planning", "6": "storage", "12": "reader", "9": "load", "10": "footprint_peak",
+         "3m": "pack_memory", "4": "tokenize", "5": "planning", "6": "storage", "12": "reader", "12v": "verify", "9": "load", "10": "footprint_peak",
          "11": "footprint_after"}  # the issues' order; 3m is pack's memory, 7t figure 7's tail
 ORDER = tuple(NAMES)
 
@@ -205,7 +205,7 @@ def io_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, li
 def storage_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
     """Figure 6 on real SmolLM2 states and the demo, figure 12 the trainers' readers on them
     (eagle3data.bench.storage)."""
-    from eagle3data.bench.storage import measure
+    from eagle3data.bench.storage import describe_verification, measure
 
     r = measure(work / "storage", args.model, scale.storage_conversations, scale.reader_repeats)
     real, demo, codecs = r["smollm2"], r["demo"], r["smollm2_codecs"]
@@ -230,6 +230,9 @@ def storage_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
                f"dataset, from the page cache, {r['blosc2_threads']} Blosc2 threads; uncompressed "
                f"{raw['speculators']:.2f}; SpecForge's reader {c['specforge']:.2f} / {raw['specforge']:.2f}; "
                f"open_dataset {c['open_dataset']:.2f} / {raw['open_dataset']:.2f} (compressed / raw){kimi_rows}"),
+        judged("12v", "verify", r["readers"]["verified_over_unverified"]["compressed"]["speculators"], ">= 0.95",
+               "speculators' reader GB/s on the compressed dataset with every row's checksums verified / without"
+               + describe_verification(r)),
     ]
 
 
@@ -274,7 +277,7 @@ GROUPS = {  # name: (figures it yields, function(args, scale, work, measured so 
     "planning": (("5",), planning_figures),
     "tokenize": (("4",), tokenize_figures),
     "io": (("2", "3", "3m"), io_figures),
-    "storage": (("6", "12"), storage_figures),
+    "storage": (("6", "12", "12v"), storage_figures),
     "extract": (("1",), extract_figures),
     "end_to_end": (("7", "7t", "10", "11"), end_to_end_figures),
     "load": (("9",), load_figures),

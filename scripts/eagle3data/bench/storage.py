@@ -19,6 +19,13 @@ every reader first, untimed, puts the files in the page cache. Rows are read by 
 machine has cores, torch at one thread in each, as a trainer's DataLoader workers read them. The figure is the speculators
 reader's rate on the compressed dataset in GB/s of raw states (goal: >= 1 GB/s on 2 cores: decompression must not bound the trainer);
 the raw dataset's rate is printed beside. Readers alternate, each keeps its best of `repeats` passes.
+
+Every reader verifies each row's checksums by default (dataset/format.py); each reader is also read with
+verification off (EAGLE3DATA_VERIFY=0), alternating with the verified one pass by pass (at least
+VERIFY_PASSES of each): the verification's cost is 1 - verified GB/s / unverified GB/s. The full check
+(`python -m eagle3data.dataset.check --full`, every byte read and verified, a thread per core) is timed
+on both datasets from disk (their files evicted from the page cache first) beside a plain read of the
+same files from disk.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import yaml
 from eagle3data.bench import REPO
 
 SMOLLM2 = "resources/smollm2-135m"
+VERIFY_PASSES = 5  # passes of each reader verified and unverified, alternating: the cost is a few %
 
 
 def smollm2_model(path: str = SMOLLM2) -> Path:
@@ -156,8 +164,28 @@ def as_data_loader():
         torch.set_num_threads(threads)
 
 
+@contextlib.contextmanager
+def verification(on: bool):
+    """Readers made (and first used) inside verify rows or not, as EAGLE3DATA_VERIFY says."""
+    from eagle3data.dataset.format import VERIFY_ENV
+
+    before = os.environ.get(VERIFY_ENV)
+    os.environ[VERIFY_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[VERIFY_ENV]
+        else:
+            os.environ[VERIFY_ENV] = before
+
+
+READERS = ("speculators", "specforge", "open_dataset")
+
+
 def reader_rates(datasets_: dict[str, Path], work: Path, model: Path, repeats: int) -> dict:
-    """GB/s of raw states read through each trainer's reader (and open_dataset), per dataset, warm."""
+    """GB/s of raw states read through each trainer's reader (and open_dataset), per dataset, warm; each
+    verifying the rows' checksums (the default) and not (`unverified`), alternating pass by pass."""
     from eagle3data.dataset.format import open_dataset
     from eagle3data.exports.specforge import export as export_specforge
     from eagle3data.exports.speculators import export as export_speculators
@@ -165,7 +193,7 @@ def reader_rates(datasets_: dict[str, Path], work: Path, model: Path, repeats: i
     from eagle3data.exports.speculators_reader import PackedStatesTransfer
     from eagle3data.exports.vocab import write_vocab
 
-    readers = {}
+    readers: dict[str, dict[bool, dict]] = {}
     raw = stored_ratio(next(iter(datasets_.values())))["raw_state_bytes"]  # the same rows in each
     for name, dataset in datasets_.items():
         d = work / f"readers-{name}"
@@ -173,22 +201,56 @@ def reader_rates(datasets_: dict[str, Path], work: Path, model: Path, repeats: i
         write_vocab(dataset, model, 256, d / "token_freq.pt", d / "vocab_mapping.pt")
         export_speculators(dataset, d / "speculators", d / "token_freq.pt", d / "vocab_mapping.pt", states="reader")
         export_specforge(dataset, d / "specforge", model, d / "vocab_mapping.pt", states="reader")
-        ds = open_dataset(dataset)
-        speculators, specforge = PackedStatesTransfer(d / "speculators"), PackedFeatures(d / "specforge")
-        readers[name] = {"speculators": speculators.get_cached, "specforge": specforge,
-                         "open_dataset": ds.__getitem__, "rows": len(ds)}
-    seconds = {name: {reader: [] for reader in ("speculators", "specforge", "open_dataset")} for name in readers}
+        readers[name] = {}
+        for verify in (True, False):
+            with verification(verify):
+                ds = open_dataset(dataset)
+                speculators, specforge = PackedStatesTransfer(d / "speculators"), PackedFeatures(d / "specforge")
+                speculators.get_cached(0)  # opens its dataset now, as verification says
+            assert ds.verification == ("crc32" if verify else "off")
+            readers[name][verify] = {"speculators": speculators.get_cached, "specforge": specforge,
+                                     "open_dataset": ds.__getitem__, "rows": len(ds)}
+    seconds = {name: {reader: [] for reader in READERS} for name in readers}
+    unverified = {name: {reader: [] for reader in READERS} for name in readers}
     with as_data_loader() as read_rows:
-        for r in readers.values():  # the files into the page cache, each reader's first-use costs paid
-            for reader in ("speculators", "specforge", "open_dataset"):
-                read_rows(r[reader], r["rows"])
-        for _ in range(repeats):
-            for reader in ("speculators", "specforge", "open_dataset"):
-                for name, r in readers.items():
-                    seconds[name][reader].append(read_rows(r[reader], r["rows"]))
-    return {"raw_state_bytes": raw, "seconds": seconds,
-            "bytes_per_second": {name: {reader: raw / min(s) for reader, s in by.items()}
-                                 for name, by in seconds.items()}}
+        for by in readers.values():  # the files into the page cache, each reader's first-use costs paid
+            for r in by.values():
+                for reader in READERS:
+                    read_rows(r[reader], r["rows"])
+        for _ in range(max(repeats, VERIFY_PASSES)):
+            for reader in READERS:
+                for name, by in readers.items():
+                    seconds[name][reader].append(read_rows(by[True][reader], by[True]["rows"]))
+                    unverified[name][reader].append(read_rows(by[False][reader], by[False]["rows"]))
+    rates = {name: {reader: raw / min(s) for reader, s in by.items()} for name, by in seconds.items()}
+    skipped = {name: {reader: raw / min(s) for reader, s in by.items()} for name, by in unverified.items()}
+    return {"raw_state_bytes": raw, "seconds": seconds, "unverified_seconds": unverified,
+            "bytes_per_second": rates, "unverified_bytes_per_second": skipped,
+            "verified_over_unverified": {name: {reader: rates[name][reader] / skipped[name][reader]
+                                                for reader in READERS} for name in rates}}
+
+
+def full_check_rates(datasets_: dict[str, Path]) -> dict:
+    """The full check of each dataset from disk (its files evicted from the page cache) against a plain
+    read of the same files from disk: GB/s of the files' bytes, and their ratio."""
+    from eagle3data.bench.io import drop_from_page_cache, read_files
+    from eagle3data.dataset.check import data_files, full_check
+
+    out = {}
+    for name, dataset in datasets_.items():
+        files = [str(f) for f in data_files(dataset)]
+        size = sum(Path(f).stat().st_size for f in files)
+        drop_from_page_cache(files)
+        read = read_files(files)
+        drop_from_page_cache(files)
+        began = time.perf_counter()
+        _, found = full_check(dataset)
+        checked = time.perf_counter() - began
+        if found:
+            raise RuntimeError(f"the full check of {dataset} failed: {found[:3]}")
+        out[name] = {"file_bytes": size, "read_bytes_per_second": size / read,
+                     "full_check_bytes_per_second": size / checked, "full_check_over_read": read / checked}
+    return out
 
 
 def measure(work: Path, demo_model: str, conversations: int, repeats: int) -> dict:
@@ -197,7 +259,18 @@ def measure(work: Path, demo_model: str, conversations: int, repeats: int) -> di
     real = smollm2_run(work / "smollm2", model, conversations)
     demo = demo_run(work / "demo", demo_model)
     raw_dataset = pack_raw(real, work / "smollm2-raw" / "dataset")
+    both = {"compressed": real / "dataset", "raw": raw_dataset}
     return {"smollm2": stored_ratio(real / "dataset"), "smollm2_codecs": codecs_side_by_side(real / "dataset"),
             "smollm2_uncompressed": stored_ratio(raw_dataset), "demo": stored_ratio(demo / "dataset"),
-            "readers": reader_rates({"compressed": real / "dataset", "raw": raw_dataset}, work, model, repeats),
+            "readers": reader_rates(both, work, model, repeats), "full_check": full_check_rates(both),
             "blosc2_threads": __import__("blosc2").nthreads}
+
+
+def describe_verification(r: dict) -> str:
+    """Figure 12's words on the checksums: each reader verified / unverified, and the full check."""
+    ratio, full = r["readers"]["verified_over_unverified"], r["full_check"]
+    readers = ", ".join(f"{reader} {ratio['compressed'][reader]:.3f} / {ratio['raw'][reader]:.3f}" for reader in READERS)
+    return (f"; checksums verified / not, GB/s ratio (compressed / raw): {readers}; full check from disk "
+            f"{full['compressed']['full_check_bytes_per_second'] / 1e9:.2f} / "
+            f"{full['raw']['full_check_bytes_per_second'] / 1e9:.2f} GB/s of files = "
+            f"{full['compressed']['full_check_over_read']:.2f} / {full['raw']['full_check_over_read']:.2f} of a plain read")

@@ -58,6 +58,7 @@ FIGURES: dict[str, tuple[str, str]] = {
     "10": ("peak disk use / packed dataset", "<= 1.5"),
     "11": ("disk use after the run and both exports / packed dataset", "<= 1.1"),
     "12": ("GB/s of raw states through speculators' reader", ">= 1"),
+    "12v": ("speculators' reader GB/s with every row's checksums verified / without", ">= 0.95"),
     "regenerate": ("regenerate stage tok/s / bare vLLM `generate()`", ">= 0.95"),
 }
 # Figures shown for GPU machines only: on a CPU, figure 9 times the 20 MB demo model's start, fixed costs.
