@@ -140,7 +140,7 @@ def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndar
     if compression is None:
         return None
     if stored is not None and not stored.decoded:
-        return stored.frame
+        return stored.as_frame(out.itemsize)
     frame = compression.encode(out)
     stored = decode(frame, out.shape[1], out.shape[2], out.dtype, threads=compression.threads)
     found = [checksum(stored[:, c.slot, :]) for c in captures]
