@@ -32,6 +32,11 @@ rule all:
         REGENERATE_OUTPUTS,
 
 
+# Before any job starts (not in dry runs): what the first GPU job would find wrong (rules/common.smk).
+onstart:
+    check_before_jobs()
+
+
 onsuccess:
     engine_pool.stop_idle_of_run(RUN_DIR)
 

@@ -5,19 +5,25 @@ from snakemake.utils import min_version
 
 min_version("9.27")
 
-from eagle3data.config.check import validate_config
+from eagle3data.config.problems import stop_on
+from eagle3data.config.run_check import Where, plan_problems, start_problems
 from eagle3data.inputs.conversations import count_conversations
-from eagle3data.plan.disk import check_storage_config
-from eagle3data.config.settings import engine_device
 from eagle3data.plan.shards import plan
 
-validate_config(config, workflow.source_path("../config/schema.yaml"))
-check_storage_config(config["storage"])
-config["engine"]["device"] = engine_device(config["engine"]["device"])
+# Every problem of the config and the input, told at once in a few lines each, before any job (and in
+# dry runs); the main process reads every input line, a job's own planning only counts them.
+PLANNED, PROBLEMS = plan_problems(
+    config,
+    workflow.source_path("../config/schema.yaml"),
+    scan_input=workflow.is_main_process,
+)
+stop_on(PROBLEMS)
 
 RUN = config["run"]
 RUN_DIR = f"results/{RUN}"
-N_CONVERSATIONS = count_conversations(config["input"])
+N_CONVERSATIONS = (
+    PLANNED.rows if PLANNED.rows is not None else count_conversations(config["input"])
+)
 SHARD_ROWS = plan(N_CONVERSATIONS, config["shard_size"])
 N_SHARDS = len(SHARD_ROWS)
 SHARDS = [f"{i:05d}" for i in range(N_SHARDS)]
@@ -75,3 +81,15 @@ def tokenize_conversations(wildcards):
         "conversations": rules.regenerate.output.conversations.format(**wildcards),
         "regenerated": rules.regenerate.output.stats.format(**wildcards),
     }
+
+
+def check_before_jobs():
+    """The Snakefile's onstart: every problem the first jobs would meet (the vLLM build, the device, the
+    config against the checkpoint, the GPUs this run may use), told before any job starts.
+    """
+    gpus = workflow.global_resources.get("gpu")
+    gpus = getattr(gpus, "value", gpus)
+    where = Where(
+        gpus=gpus if isinstance(gpus, int) else None, local=workflow.local_exec
+    )
+    stop_on(start_problems(config, where))

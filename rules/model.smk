@@ -1,12 +1,10 @@
 # Target models built by the workflow itself; a checkpoint given by model.path alone is read in place.
 # A builder writes only a directory it built (marked inside): anything else at model.path is refused
-# before any job runs (eagle3data.model.builds), since Snakemake deletes a rule's output to rebuild it.
-from eagle3data.model.builds import check_buildable
+# while the run is planned (rules/common.smk; eagle3data.model.builds), since Snakemake deletes a rule's
+# output to rebuild it.
 
 # The embedded default: build a tiny random-weight Kimi-shaped model and tokenizer (no download).
 if config["model"]["build_demo"]:
-
-    check_buildable(config["model"]["path"], "demo_model")
 
     rule demo_model:
         input:
@@ -26,8 +24,6 @@ if config["model"]["build_demo"]:
 # A real, trained target from a GGUF file inside an installed package (config/smollm2.yaml): bf16
 # safetensors, tokenizer and chat template.
 if config["model"]["from_gguf"]:
-
-    check_buildable(config["model"]["path"], "gguf_model")
 
     rule gguf_model:
         output:

@@ -2,11 +2,11 @@
 
 Why: `snakemake.utils.validate` reports a config that breaks config/schema.yaml with jsonschema's own
 message, which prints the whole schema and the whole config: 1,579 lines for a one-letter typo in a
-top-level key. `validate_config` checks the config against the same schema first (Draft 2020-12, as
-Snakemake does) and, when it breaks it, raises a `ConfigError` of at most ten lines: the key path, what
-was found, what is allowed, and for an unknown key the known names nearest to it. A valid config then
-goes through `snakemake.utils.validate`, which fills in the schema's defaults: the one place they are
-filled.
+top-level key. `schema_problems` checks the config against the same schema first (Draft 2020-12, as
+Snakemake does) and words every violation as a `Problem` of a few lines: the key path, what was found,
+what is allowed, and for an unknown key the known names nearest to it. `validate_config` raises them
+all at once as a `ConfigError`; a valid config then goes through `snakemake.utils.validate`, which fills
+in the schema's defaults: the one place they are filled.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from eagle3data.config.problems import MAX_PROBLEM_LINES, Problem
+
 if TYPE_CHECKING:
     from jsonschema.exceptions import ValidationError
 
-MAX_LINES = 10  # a message longer than this is cut (it never should be)
 MAX_LISTED_KEYS = 15  # an unknown key's message lists the allowed keys of its level up to this many
 WIDTH = 100  # characters of a line, beyond which a list of keys wraps and a description is cut
 MAX_VALUE_CHARS = 80  # a found value is shown up to this many characters
@@ -40,15 +41,15 @@ class ConfigError(ValueError):
 def validate_config(config: dict, schema_path: str | os.PathLike) -> None:
     """Check `config` against the schema at `schema_path` and fill in the schema's defaults in place.
 
-    Raises ConfigError (at most ten lines) naming the most relevant problem and how many more there are.
-    """
-    # Raised here rather than in first_problem: after the message, Snakemake prints one line per frame
-    # below the Snakefile's (rules/common.smk's call and this one).
-    schema = yaml.safe_load(Path(schema_path).read_text())
-    problem = first_problem(config, schema, shown_path(schema_path))
-    if problem:
-        raise ConfigError(problem)
+    Raises ConfigError naming every problem, each in a few lines."""
+    problems = schema_problems(config, schema_path)
+    if problems:
+        raise ConfigError(_message(problems, schema_path))
+    fill_defaults(config, schema_path)
 
+
+def fill_defaults(config: dict, schema_path: str | os.PathLike) -> None:
+    """Fill in the schema's defaults of a config that `schema_problems` found valid."""
     from snakemake.exceptions import WorkflowError
     from snakemake.utils import validate
 
@@ -56,19 +57,24 @@ def validate_config(config: dict, schema_path: str | os.PathLike) -> None:
         validate(config, str(schema_path), set_default=True)
     except WorkflowError:
         # Only a default that breaks the schema gets here: report it as briefly as any other problem.
-        problem = first_problem(config, schema, shown_path(schema_path))
-        if problem:
-            raise ConfigError(problem) from None
+        problems = schema_problems(config, schema_path)
+        if problems:
+            raise ConfigError(_message(problems, schema_path)) from None
         raise
 
 
-def first_problem(config: dict, schema: dict, schema_name: str) -> str | None:
-    """The message about the most relevant violation of `schema` (jsonschema's best_match), or None."""
+def schema_problems(config: dict, schema_path: str | os.PathLike) -> list[Problem]:
+    """Every violation of the schema at `schema_path`, in the config's key order, each a `Problem`."""
     from jsonschema import Draft202012Validator
-    from jsonschema.exceptions import best_match
 
-    errors = list(Draft202012Validator(schema).iter_errors(config))
-    return describe(best_match(errors), len(errors) - 1, schema_name) if errors else None
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    errors = sorted(Draft202012Validator(schema).iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path])
+    return [Problem(key_path(list(e.absolute_path)), lines=tuple(describe(e))) for e in errors]
+
+
+def _message(problems: list[Problem], schema_path: str | os.PathLike) -> str:
+    lines = [line for problem in problems for line in problem.text()]
+    return "\n".join([*lines, f"  Keys, their types and defaults: {shown_path(schema_path)}"])
 
 
 def shown_path(schema_path: str | os.PathLike) -> str:
@@ -80,8 +86,8 @@ def shown_path(schema_path: str | os.PathLike) -> str:
     return path if relative.startswith("..") else relative
 
 
-def describe(error: ValidationError, n_more: int, schema_name: str) -> str:
-    """At most ten lines about one schema violation: where, what was found, what is allowed."""
+def describe(error: ValidationError) -> list[str]:
+    """At most eight lines about one schema violation: where, what was found, what is allowed."""
     path = list(error.absolute_path)
     where = key_path(path)
     kind = error.validator
@@ -120,11 +126,7 @@ def describe(error: ValidationError, n_more: int, schema_name: str) -> str:
         if allowed:
             lines.append(f"  Allowed: {allowed}")
         lines += _about(where, error.schema)
-    if n_more:
-        lines.append(f"  ({n_more} more problem{'s' if n_more > 1 else ''} in the config; "
-                     "fix this one and run again to see the next.)")
-    lines.append(f"  Keys, their types and defaults: {schema_name}")
-    return "\n".join(lines[:MAX_LINES])
+    return lines[:MAX_PROBLEM_LINES]
 
 
 def _unknown_keys(error: ValidationError, path: list) -> list[str]:

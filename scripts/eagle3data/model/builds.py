@@ -3,7 +3,7 @@
 Rules `demo_model` and `gguf_model` write a whole checkpoint directory at `model.path`. Snakemake removes
 a rule's `directory()` output before it runs the rule again (an input newer than the output is enough),
 so pointed at a user's checkpoint, a builder would delete it. Each builder therefore writes a marker
-file inside what it builds, and the workflow refuses, before any job runs, a `model.path` that holds
+file inside what it builds, and the workflow refuses, before any job runs (eagle3data.config.run_check), a `model.path` that holds
 anything without that marker.
 """
 
@@ -14,13 +14,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from eagle3data.config.problems import Problem
 from eagle3data.storage.store import atomic_path
 
 MARKER = ".eagle3data-built.json"
-
-
-class ModelPathError(ValueError):
-    pass
 
 
 @contextlib.contextmanager
@@ -34,16 +31,15 @@ def building(out_dir: Path, builder: str, source: str) -> Iterator[Path]:
         (tmp / MARKER).write_text(json.dumps({"builder": builder, "source": source}) + "\n")
 
 
-def check_buildable(path: str | Path, builder: str) -> None:
-    """Refuse `path` as a builder's output unless it is absent, empty, or built by the pipeline."""
+def buildable_problem(path: str | Path, builder: str) -> Problem | None:
+    """Why `path` may not be a builder's output (it is not absent, empty, or built by the pipeline), or None."""
     path = Path(path)
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
-        return
+        return None
     if (path / MARKER).is_file():
-        return
+        return None
     found = "is a file" if not path.is_dir() else f"holds {sum(1 for _ in path.iterdir())} entries and no {MARKER}"
-    raise ModelPathError(
-        f"model.path: {path} {found}: this pipeline did not build it, and rule {builder} would "
-        f"replace it. Remove model.build_demo / model.from_gguf to use the checkpoint there as it is, or "
-        f"point model.path at a new directory for the built model."
-    )
+    return Problem("model.path", f"{path} {found}: this pipeline did not build it, and rule {builder} would "
+                   "replace it.", "a new or empty directory for the built model, or no builder key",
+                   "remove model.build_demo / model.from_gguf to use the checkpoint there as it is, or point "
+                   "model.path at a new directory for the built model.")

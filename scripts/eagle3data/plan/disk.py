@@ -90,16 +90,6 @@ def finished_conversations(manifest: str | Path, plan: tuple[tuple[int, int], ..
     return conversations_of(plan, [int(number) for number in others if number.isdigit()])
 
 
-def check_storage_config(storage: dict) -> None:
-    """Refuse, before any job runs, a transport directory whose files would never leave it."""
-    if storage.get("transport_dir") and not storage.get("drop_packed_states"):
-        raise ValueError(
-            f"storage.transport_dir ({storage['transport_dir']!r}) holds each sample's file only until its "
-            "shard is packed: it needs storage.drop_packed_states: true (else its memory would hold a "
-            "second copy of every state)"
-        )
-
-
 # `storage` settings for callers that build jobs by hand (tests, benchmarks); the workflow's come from
 # config/schema.yaml, whose defaults these are.
 STORAGE_DEFAULTS = {"check_free_space": True, "reserve_gib": 1, "drop_packed_states": True, "transport_dir": "",
