@@ -168,17 +168,22 @@ class RowChecker:
     def of(cls, where: str | Path, meta: dict) -> RowChecker:
         return cls(str(where), tuple(c.get("name", f"slot {s}") for s, c in enumerate(meta["captures"])))
 
-    def row(self, table: pa.Table, i: int, hidden_size: int) -> tuple[np.ndarray | None, list[tuple[str, str, str]]]:
-        """Row i's states (None where they do not decode) and every check it fails: (what, expected, found)."""
+    def row(self, table: pa.Table, i: int, hidden_size: int, tokens: tuple | None = None
+            ) -> tuple[np.ndarray | None, list[tuple[str, str, str]]]:
+        """Row i's states (None where they do not decode) and every check it fails: (what, expected, found).
+        `tokens`: its (sample_id, input_ids, loss_mask) where the caller has them already."""
         try:
             states, failed = stored_states(table, i, len(self.captures), hidden_size), []
         except Exception as exc:  # noqa: BLE001 (a damaged frame fails in Blosc2's several ways)
             states, failed = None, [_undecodable(exc)]
+        if tokens is None:
+            tokens = (table.column("sample_id")[i].as_py(),
+                      table.column("input_ids")[i].values.to_numpy(zero_copy_only=False),
+                      table.column("loss_mask")[i].values.to_numpy(zero_copy_only=False))
+        sample_id, ids, mask = tokens
         return states, failed + self.compare(
             states, table.column(STATES_CRC)[i].values.to_numpy(zero_copy_only=False).tolist(),
-            table.column(TOKENS_CRC)[i].as_py(), str(table.column("sample_id")[i].as_py()),
-            table.column("input_ids")[i].values.to_numpy(zero_copy_only=False),
-            table.column("loss_mask")[i].values.to_numpy(zero_copy_only=False), table.column("seq_len")[i].as_py())
+            table.column(TOKENS_CRC)[i].as_py(), str(sample_id), ids, mask, table.column("seq_len")[i].as_py())
 
     def compare(self, states: np.ndarray | None, states_crcs: list[int], stated_tokens_crc: int, sample_id: str,
                 input_ids: np.ndarray, loss_mask: np.ndarray, seq_len: int) -> list[tuple[str, str, str]]:
@@ -270,14 +275,14 @@ def read_rows(table: pa.Table, n_captures: int, hidden_size: int, torch_dtype: t
 
     for i in range(table.num_rows):
         sample_id = table.column("sample_id")[i].as_py()
+        ids = table.column("input_ids")[i].values.to_numpy(zero_copy_only=False)
+        mask = table.column("loss_mask")[i].values.to_numpy(zero_copy_only=False)
         if checker is None:
             stored = stored_states(table, i, n_captures, hidden_size)
         else:
-            stored, problems = checker.row(table, i, hidden_size)
+            stored, problems = checker.row(table, i, hidden_size, (sample_id, ids, mask))
             if problems:
                 raise checker.refuse(first + i, sample_id, problems)
-        ids = table.column("input_ids")[i].values.to_numpy(zero_copy_only=False)
-        mask = table.column("loss_mask")[i].values.to_numpy(zero_copy_only=False)
         with warnings.catch_warnings():  # a read-only view of the memory-mapped file, on purpose
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             states = torch.from_numpy(stored).view(torch_dtype)
