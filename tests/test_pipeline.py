@@ -19,8 +19,10 @@ RUN = "results/demo"
 
 def test_dataset_opens_and_holds_every_sample(demo_run):
     hf = datasets.load_from_disk(str(demo_run / RUN / "dataset"))
-    assert set(hf.column_names) == {"sample_id", "input_ids", "loss_mask", "seq_len", "hidden_states"}
+    assert set(hf.column_names) == {"sample_id", "input_ids", "loss_mask", "seq_len", "hidden_states",
+                                    "hidden_states_crc32", "tokens_crc32"}
     ds = open_dataset(demo_run / RUN / "dataset")
+    assert ds.verification == "crc32"  # every row below is read verified
     tokenized = pd.concat(
         [pd.read_parquet(p) for p in sorted((demo_run / RUN / "tokenized").glob("shard-?????.parquet"))]
     ).drop_duplicates("sample_id").set_index("sample_id")
