@@ -15,6 +15,7 @@ from pathlib import Path
 
 from eagle3data.inputs.conversations import count_conversations, read_shard
 from eagle3data.plan.disk import sample_bytes
+from eagle3data.config.problems import Problem
 from eagle3data.config.settings import Settings, engine_device, with_schema_defaults
 from eagle3data.plan.shards import plan
 from eagle3data.inputs.tokenization import load_tokenizer, tokenize_records
@@ -24,15 +25,17 @@ GIB = 2**30
 PROBE = "eagle3probe"  # a word no template writes by itself
 
 
-def report(config: dict, schema: str | Path) -> str:
-    """The preflight report of the run `config` (validated, defaults filled) describes."""
+def report(config: dict, schema: str | Path) -> tuple[str, list[Problem]]:
+    """The preflight report of the run `config` (validated, defaults filled) describes, and the problems
+    only the report finds: states larger than the free disk (where storage.check_free_space holds)."""
     settings = Settings(config)
     lines = _model(settings) + _captures(settings)
     tokenizer = _tokenizer(config)
     lines += template_support(tokenizer)
     sizes, input_lines = _input(settings, tokenizer)
-    lines += input_lines + _disk(settings, sizes) + _engine(config) + _changed(config, schema)
-    return "\n".join(lines)
+    disk, problems = _disk(settings, sizes)
+    lines += input_lines + disk + _engine(config) + _changed(config, schema)
+    return "\n".join(lines), problems
 
 
 def _model(settings: Settings) -> list[str]:
@@ -105,7 +108,7 @@ def _input(settings: Settings, tokenizer) -> tuple[dict, list[str]]:
     return {"states": states}, lines
 
 
-def _disk(settings: Settings, sizes: dict) -> list[str]:
+def _disk(settings: Settings, sizes: dict) -> tuple[list[str], list[Problem]]:
     storage = settings.config["storage"]
     copies = 1 if storage["drop_packed_states"] else 2
     needed = sizes["states"] * copies + storage["reserve_gib"] * GIB
@@ -115,12 +118,16 @@ def _disk(settings: Settings, sizes: dict) -> list[str]:
     free = shutil.disk_usage(where).free
     verdict = "enough" if free >= needed else "NOT ENOUGH"
     why = "the packed dataset" if copies == 1 else "the store and the packed dataset (storage.drop_packed_states: false)"
+    problems = [] if free >= needed or not storage["check_free_space"] else [Problem(
+        "storage", f"the states need about {_size(needed)} (reserve_gib {storage['reserve_gib']} included); "
+        f"{_size(free)} is free at {where.resolve()}.", "a disk with room for the states",
+        "free space, put results/ on a larger disk, or set storage.check_free_space: false to start anyway.")]
     return [
         f"states     {_size(sizes['states'])} estimated; {copies} cop{'y' if copies == 1 else 'ies'} "
         f"on disk: {why}",
         f"disk       {_size(free)} free at {where.resolve()}, {_size(needed)} needed with "
         f"reserve_gib {storage['reserve_gib']}: {verdict}",
-    ]
+    ], problems
 
 
 def _engine(config: dict) -> list[str]:
