@@ -1,6 +1,6 @@
 """Checks on a pipeline run's outputs, for the GPU runs (CONTRIBUTING.md, "The GPU kit"). Prints one JSON object.
 
-    python scripts/gpu/check_states.py shapes RUN --hidden 7168 --captures 4 --seq 512
+    python scripts/gpu/check_states.py shapes RUN --hidden 7168 --captures 4 --seq 512   # its packed dataset
     python scripts/gpu/check_states.py compare RUN_A RUN_B     # same samples, per-capture rel. error
     python scripts/gpu/check_states.py ranks LOG               # which TP ranks' connectors write
     python scripts/gpu/check_states.py stores STORE_A STORE_B  # same bits? (the reproducibility contract)
@@ -12,31 +12,37 @@ import re
 from pathlib import Path
 
 from eagle3data.contracts.measuring import load_stored
-from eagle3data.contracts.states import file_facts
 
 
 def states_files(run: str) -> dict:
-    return {p.stem: p for p in Path("results", run, "states").rglob("*.safetensors")}
+    return {p.stem: p for p in (run_dir(run) / "states").rglob("*.safetensors")}
+
+
+def run_dir(run: str) -> Path:
+    """A run's directory: RUN itself, or results/RUN."""
+    return Path(run) if Path(run).is_dir() else Path("results", run)
 
 
 def shapes(args) -> dict:
-    files = states_files(args.run)
-    bad, full = [], 0
-    for sid, path in files.items():
-        facts = file_facts(sid, str(path), [])  # compressed or not: the states the file holds
-        shape, dtype = facts["shape"], facts["dtype"]
+    """The packed dataset's rows, each read as a trainer reads it (open_dataset: decompressed, its checksums
+    verified): every row `[L <= seq, captures, hidden]` bf16, counted against the run's counts."""
+    from eagle3data import open_dataset
+
+    run = run_dir(args.run)
+    bad, full, rows, tokens = [], 0, 0, 0
+    for row in open_dataset(run / "dataset"):
+        shape, dtype = list(row["hidden_states"].shape), str(row["hidden_states"].dtype).removeprefix("torch.")
         if shape[1:] != [args.captures, args.hidden] or dtype != "bfloat16" or shape[0] > args.seq:
-            bad.append({"sample": sid, "shape": shape, "dtype": dtype})
-        full += shape[0] == args.seq
-    stats = [json.loads(p.read_text()) for p in Path("results", args.run, "extract").glob("*.stats.json")]
-    tokens = sum(s["computed_tokens"] for s in stats)
+            bad.append({"sample": row["sample_id"], "shape": shape, "dtype": dtype})
+        rows, tokens, full = rows + 1, tokens + shape[0], full + (shape[0] == args.seq)
+    stats = [json.loads(p.read_text()) for p in (run / "extract").glob("*.stats.json")]
+    counts = json.loads((run / "dataset.counts.json").read_text())
     seconds = sum(s["seconds"] for s in stats)
-    counts = Path("results", args.run, "dataset.counts.json")
-    return {"run": args.run, "files": len(files), f"files_with_{args.seq}_tokens": full,
-            "bad": bad, "tokens": tokens, "extract_seconds": seconds,
-            "tokens_per_second": tokens / seconds if seconds else None,
-            "bytes_on_disk": sum(p.stat().st_size for p in files.values()),
-            "dataset_counts": json.loads(counts.read_text()) if counts.exists() else None}
+    return {"run": str(run), "rows": rows, f"rows_with_{args.seq}_tokens": full, "bad": bad,
+            "rows_match_counts": rows == counts["packed"], "tokens": tokens, "extract_seconds": seconds,
+            "extract_tokens_per_second": sum(s["computed_tokens"] for s in stats) / seconds if seconds else None,
+            "dataset_bytes": sum(p.stat().st_size for p in (run / "dataset").glob("*.arrow")),
+            "store_files_left": len(states_files(args.run)), "dataset_counts": counts}
 
 
 def compare(args) -> dict:

@@ -3,13 +3,16 @@
 #   bash scripts/gpu/run.sh kimi       Kimi-K2.5-shaped model (dummy weights) through the workflow, TP1
 #   bash scripts/gpu/run.sh bench      figure 1 on an 8B Llama shape (dummy weights), TP1; BENCH_ENGINE adds
 #                                      engine settings (e.g. writer_threads=16)
-#   bash scripts/gpu/run.sh figures    figures 1 and 7 of the benchmark command, same shape and engine
+#   bash scripts/gpu/run.sh figures    figures 1 and 7 of the benchmark command, same shape and engine; with
+#                                      FIGURE_MODEL=/tmp/llama-8b-weights (after load-prepare) on states of
+#                                      real entropy
 #   bash scripts/gpu/run.sh deepseek   small DeepSeek-V3 vs transformers; TP1 vs TP2 (needs 2 GPUs)
 #   bash scripts/gpu/run.sh invariance figure 1 with and without VLLM_BATCH_INVARIANT=1 (8B shape, TP1)
 #   bash scripts/gpu/run.sh batches    the same 256 prompts extracted in batches of 256 and of 24, with and
 #                                      without VLLM_BATCH_INVARIANT=1: same bits? (docs/resume.md)
 #   bash scripts/gpu/run.sh regenerate the regenerate stage against bare generate() (8B shape, dummy weights)
-#   bash scripts/gpu/run.sh load-prepare  a random 8B checkpoint (16 GB of safetensors) for figure 9
+#   bash scripts/gpu/run.sh load-prepare  a random 8B checkpoint (16 GB of safetensors, weights normal(0, 0.02)),
+#                                      SHAPE=smollm2-135m a small one: figure 9, and realistic states
 #   bash scripts/gpu/run.sh load       figure 9 (after load-prepare): engine start (vLLM's default loader)
 #                                      against reading the checkpoint, three runs
 #   bash scripts/gpu/run.sh kimi bench several steps in one call
@@ -86,11 +89,12 @@ case "$what" in
       --out "$OUT/regenerate-llama8b.json" > /tmp/regen.log 2>&1
     echo "regenerate bench: exit $?"; grep "regenerate / bare" /tmp/regen.log; cp /tmp/regen.log "$OUT/log-regenerate.txt"
     ;;
-  load-prepare)  # figure 9's checkpoint: a random 8B model as real safetensors files
-    step "write a random 8B checkpoint"
-    python3 -m eagle3data.model.shapes llama-8b /tmp/llama-8b-weights --tokenizer-from resources/demo-tokenizer
-    timeout 240 python3 -m eagle3data.bench.load --write-checkpoint llama-8b /tmp/llama-8b-weights
-    du -sh /tmp/llama-8b-weights; df -h /tmp | tail -1
+  load-prepare)  # a random checkpoint as real safetensors files, weights normal(0, 0.02): figure 9's, and
+                 # states of realistic entropy for figures 1 and 7 (SHAPE: llama-8b, or smollm2-135m)
+    step "write a random ${SHAPE:-llama-8b} checkpoint"
+    python3 -m eagle3data.model.shapes "${SHAPE:-llama-8b}" "/tmp/${SHAPE:-llama-8b}-weights" --tokenizer-from resources/demo-tokenizer
+    timeout 240 python3 -m eagle3data.bench.load --write-checkpoint "${SHAPE:-llama-8b}" "/tmp/${SHAPE:-llama-8b}-weights"
+    du -sh "/tmp/${SHAPE:-llama-8b}-weights"; df -h /tmp | tail -1
     ;;
   load)  # figure 9 (after load-prepare): engine start (vLLM's default loader) - the dummy loader's start,
     # over the cold read of the weights; LOAD_RUNS runs (3)
@@ -100,29 +104,34 @@ case "$what" in
       --json "$OUT/load-llama8b.json" > /tmp/load.log 2>&1
     echo "load bench: exit $?"; grep "^figure 9" /tmp/load.log; cp /tmp/load.log "$OUT/log-load.txt"
     ;;
-  figures)  # figures 1 and 7 through the benchmark command: 8B Llama shape (dummy weights), TP1; figure 1's
-            # prompts (FIGURE1_PROMPTS, 2048), figure 7's shards (FIGURE7_SHARDS, 8) and its extract jobs
-            # side by side (JOBS_PER_ENGINE, 2), the states' codec (CODEC, zstd)
-    step figures 1,7
-    python3 -m eagle3data.model.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
+  figures)  # figures 1 and 7 through the benchmark command, TP1: on an 8B Llama shape with vLLM's dummy weights,
+            # or on the checkpoint load-prepare wrote (FIGURE_MODEL=/tmp/llama-8b-weights: states of real entropy;
+            # CAPTURES for another shape); figure 1's prompts (FIGURE1_PROMPTS, 2048), figure 7's shards
+            # (FIGURE7_SHARDS, 8) and its extract jobs side by side (JOBS_PER_ENGINE, 2), the states' codecs
+            # (CODEC, zstd,none: figure 1 for each side by side, figure 7 with the first), TAG names the JSON
+    step "figures 1,7 (${FIGURE_MODEL:-dummy weights}, ${CODEC:-zstd,none})"
+    model=${FIGURE_MODEL:-/tmp/llama-8b} engine=(max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512)
+    if [[ -z ${FIGURE_MODEL:-} ]]; then
+      python3 -m eagle3data.model.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
+      engine+=(load_format=dummy) weights="dummy weights"
+    else
+      weights="random normal(0, 0.02) weights"
+    fi
     # The machine each second (CPU busy/idle/iowait, blocks written, dirty memory) for where the tail goes.
     cat /proc/sys/vm/dirty_ratio /proc/sys/vm/dirty_background_ratio > "$OUT/vmstat-figures.txt"
     (while :; do echo "$(date -u +%T) $(vmstat 1 2 | tail -1) $(grep -E '^(Dirty|Writeback):' /proc/meminfo | tr -s ' ' | tr '\n' ' ')"; done >> "$OUT/vmstat-figures.txt") &
     vmstat_pid=$!
-    timeout 570 python3 -m eagle3data.bench --figures 1,7 --device cuda --model /tmp/llama-8b \
-      --captures 2:input,16:input,29:input,31:output --prompts "${FIGURE1_PROMPTS:-2048}" --tokens 512 \
-      --conversations 6144 --shards "${FIGURE7_SHARDS:-8}" \
-      --jobs-per-engine "${JOBS_PER_ENGINE:-2}" --transport-dir "${TRANSPORT_DIR:-}" --codec "${CODEC:-zstd}" \
-      --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
-      --work /tmp/benchmark --out "$OUT/figures-gpu.json" > /tmp/figures.log 2>&1
-    echo "benchmark: exit $?"; kill $vmstat_pid; grep -E "^figure|^          " /tmp/figures.log; tail -n 3 /tmp/figures.log
-    # What a tail job's start costs here: its imports, each module alone (a fresh interpreter each)
-    for module in eagle3data.validate.stage eagle3data.dataset.pack eagle3data.dataset.index; do
-      python3 -X importtime -c "import $module" 2> "$OUT/importtime-$module.txt"
-      echo "$module: $(tail -n 1 "$OUT/importtime-$module.txt" | cut -d'|' -f2) us to import (after the run's)"
-    done
+    timeout "${FIGURES_TIMEOUT:-570}" python3 -m eagle3data.bench --figures 1,7,7d,7w,7t --device cuda --model "$model" \
+      --captures "${CAPTURES:-2:input,16:input,29:input,31:output}" --prompts "${FIGURE1_PROMPTS:-2048}" --tokens 512 \
+      --conversations 6144 --shards "${FIGURE7_SHARDS:-8}" --weights "$weights" \
+      --jobs-per-engine "${JOBS_PER_ENGINE:-2}" --transport-dir "${TRANSPORT_DIR:-}" --codec "${CODEC:-zstd,none}" \
+      --engine "${engine[@]}" --work /tmp/benchmark --out "$OUT/figures-gpu${TAG:+-$TAG}.json" > /tmp/figures.log 2>&1
+    echo "benchmark: exit $?"; kill $vmstat_pid; grep -E "^figure|^          " /tmp/figures.log | cut -c1-900; tail -n 3 /tmp/figures.log
+    python3 scripts/gpu/check_states.py shapes /tmp/benchmark/e2e/results/bench-e2e \
+      --captures 4 --hidden "$(python3 -c "import json; print(json.load(open('$model/config.json'))['hidden_size'])")"
+    grep -h "files written" /tmp/benchmark/e2e/results/bench-e2e/logs/engine/*.log 2>/dev/null | tail -n 2
     cat /tmp/figures.log /tmp/benchmark/*.log /tmp/benchmark/logs/engine/*.log /tmp/benchmark/e2e/snakemake.log \
-      /tmp/benchmark/e2e/results/bench-e2e/logs/*/*.log > "$OUT/log-figures.txt" 2>/dev/null
+      /tmp/benchmark/e2e/results/bench-e2e/logs/*/*.log > "$OUT/log-figures${TAG:+-$TAG}.txt" 2>/dev/null
     df -h /tmp | tail -1; rm -rf /tmp/benchmark
     ;;
   deepseek)

@@ -59,7 +59,28 @@ def llama_8b_config():
     )
 
 
-SHAPES = {"kimi-k2.5": kimi_k25_config, "llama-8b": llama_8b_config}
+def smollm2_135m_config():
+    """SmolLM2-135M-Instruct's shape: a small model's states come at more bytes a second per GPU than an 8B
+    model's (~4.6 KB a token, at several times the tokens a second), the writer threads' hardest case."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+SHAPES = {"kimi-k2.5": kimi_k25_config, "llama-8b": llama_8b_config, "smollm2-135m": smollm2_135m_config}
 
 
 def write_shape(name: str, out_dir: Path, tokenizer_from: Path | None = None) -> Path:
