@@ -77,7 +77,7 @@ def plan_problems(config: dict, schema: str | os.PathLike, scan_input: bool = Tr
         scan, found = input_problems(config["input"], config["regenerate"]["enabled"])
         problems += found
         facts.rows = scan.rows if scan and not found else None
-    if problems and _model_exists(config, builder):
+    if problems and builder is None:  # a built model is checked once it exists (start_problems)
         problems += model_problems(config, Where(local=False))
     return facts, problems
 
