@@ -144,8 +144,9 @@ def test_pack_stores_the_engines_frames_as_they_are_and_refuses_one_changed_sinc
 
 def test_the_metadata_names_the_codec_and_the_bytes_are_fewer(packed):
     zstd, raw = read_metadata(packed["zstd"] / "dataset"), read_metadata(packed["none"] / "dataset")
-    assert zstd["format_version"] == raw["format_version"] == 3
+    assert zstd["format_version"] == raw["format_version"] == 4
     assert zstd["checksums"]["algorithm"].startswith("CRC-32") and "hidden_states_crc32" in zstd["checksums"]
+    assert "hidden_states_stored_crc32" in zstd["checksums"] and "tokens_crc32" in zstd["checksums"]
     assert {k: zstd["compression"][k] for k in ("library", "codec", "level", "filter")} == {
         "library": "blosc2", "codec": "zstd", "level": 1, "filter": "shuffle"}
     assert raw["compression"] == {"codec": "none"}
@@ -222,21 +223,26 @@ def test_a_dropped_store_file_comes_back_from_the_compressed_shard_bit_for_bit(p
 
 
 def without_checksums(dataset: Path, out: Path, format_version: int) -> dict:
-    """A copy of `dataset` as an older eagle3data wrote it: no checksum columns, format 1 (raw, no
-    `compression` key) or 2; its metadata."""
+    """A copy of `dataset` as an older eagle3data wrote it: format 3 (per-capture and tokens CRCs, no CRC
+    of the states as stored), or no checksum columns, format 1 (raw, no `compression` key) or 2; its
+    metadata."""
     shutil.copytree(dataset, out)
     path = out / "data-00000-of-00001.arrow"
-    table = pa.ipc.open_stream(path.read_bytes()).read_all().drop_columns(["hidden_states_crc32", "tokens_crc32"])
+    columns = ["hidden_states_stored_crc32"] + (["hidden_states_crc32", "tokens_crc32"] if format_version < 3 else [])
+    table = pa.ipc.open_stream(path.read_bytes()).read_all().drop_columns(columns)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     meta = read_metadata(out)
-    del meta["checksums"]
+    if format_version < 3:
+        del meta["checksums"]
+    else:
+        del meta["checksums"]["hidden_states_stored_crc32"]
     if format_version == 1:
         del meta["compression"]
     meta["format_version"] = format_version
     (out / "eagle3_metadata.json").write_text(json.dumps(meta))
     info = json.loads((out / "dataset_info.json").read_text())
-    for name in ("hidden_states_crc32", "tokens_crc32"):
+    for name in columns:
         del info["features"][name]
     (out / "dataset_info.json").write_text(json.dumps(info))
     return meta
@@ -254,6 +260,72 @@ def test_a_dataset_written_before_compression_or_checksums_still_loads(packed, t
             assert torch.equal(row["hidden_states"].view(torch.int16), new["hidden_states"].view(torch.int16))
         assert torch.equal(decode_states(datasets.load_from_disk(str(old))[0]["hidden_states"], meta),
                            open_dataset(old)[0]["hidden_states"])
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_a_dataset_of_format_3_is_verified_capture_by_capture(packed, tmp_path, codec):
+    """Format 3 rows carry their captures' and tokens' CRCs but no CRC of the states as stored: every reader
+    still verifies them, from the values, and a flipped byte is refused naming the row and capture."""
+    from eagle3data.dataset.check import full_check
+    from eagle3data.dataset.format import IntegrityError
+
+    old = tmp_path / "dataset-3"
+    meta = without_checksums(packed[codec] / "dataset", old, 3)
+    assert "OK, 6 samples" in check_dataset(old)
+    ds, hf = open_dataset(old), datasets.load_from_disk(str(old))
+    assert ds.verification == "crc32" and "hidden_states_stored_crc32" not in hf.column_names
+    for i, (row, new) in enumerate(zip(ds, open_dataset(packed[codec] / "dataset"))):
+        assert torch.equal(row["hidden_states"].view(torch.int16), new["hidden_states"].view(torch.int16))
+        assert torch.equal(decode_states(hf[i], meta).view(torch.int16), new["hidden_states"].view(torch.int16))
+    summary, found = full_check(old, threads=2)
+    assert found == [] and "capture by capture (format 3)" in summary
+    path = old / "data-00000-of-00001.arrow"
+    data, table = path.read_bytes(), hf.with_format("arrow")[:]
+    if codec == "none":  # token 3, capture 1
+        states = np.array(table["hidden_states"][2].as_py(), dtype=np.uint16).tobytes()
+        flipped(path, data.index(states) + ((3 * 4 + 1) * 128 + 5) * 2 + 1)
+    else:  # inside the frame's compressed data
+        frame = table["hidden_states"][2].as_py()
+        flipped(path, data.index(frame) + len(frame) // 2)
+    named = "capture 1 " if codec == "none" else "hidden_states"
+    hf = datasets.load_from_disk(str(old))
+    sid = hf[2]["sample_id"]
+    for read in (lambda: open_dataset(old)[2], lambda: decode_states(hf[2], meta)):
+        with pytest.raises(IntegrityError, match=f"\\(sample {sid}\\)") as refused:
+            read()
+        assert named in str(refused.value)
+    _, found = full_check(old, threads=2)
+    assert {f.check.split(":")[0] for f in found} == {"row 2"} and all(named in f.check for f in found)
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_a_flipped_byte_in_a_rows_checksum_columns_fails_the_readers(packed, tmp_path, codec):
+    """The stored CRC covers the captures' CRCs too: a byte flipped in row 0's hidden_states_crc32 (capture
+    2's) or in row 3's hidden_states_stored_crc32 is refused by every reader and the full check, the
+    first naming the capture whose stated CRC its values no longer have, the second the stored CRC."""
+    from eagle3data.dataset.check import full_check
+    from eagle3data.dataset.format import IntegrityError
+
+    dataset = tmp_path / "dataset"
+    shutil.copytree(packed[codec] / "dataset", dataset)
+    path = dataset / "data-00000-of-00001.arrow"
+    hf = datasets.load_from_disk(str(dataset))
+    data, crcs, stored = path.read_bytes(), hf[0]["hidden_states_crc32"], hf[3]["hidden_states_stored_crc32"]
+    flipped(path, data.index(np.array(crcs, dtype="<u4").tobytes()) + 2 * 4 + 1)
+    flipped(path, data.index(np.array(stored, dtype="<u4").tobytes()) + 2)
+    hf, meta, ds = datasets.load_from_disk(str(dataset)), read_metadata(dataset), open_dataset(dataset)
+    damage = {0: "capture 2 (", 3: "hidden_states_stored_crc32 (hidden_states as stored"}
+    for i in range(SAMPLES):
+        if i not in damage:
+            assert torch.equal(ds[i]["hidden_states"], decode_states(hf[i], meta))
+            continue
+        for read in (lambda: ds[i], lambda: decode_states(hf[i], meta)):
+            with pytest.raises(IntegrityError, match=f"\\(sample {hf[i]['sample_id']}\\)") as refused:
+                read()
+            assert damage[i] in str(refused.value), str(refused.value)
+    _, found = full_check(dataset, threads=2)
+    assert sorted(f.check.split(":")[0] for f in found) == ["row 0", "row 3"]
+    assert all(damage[int(f.check.split(":")[0].split()[1])] in f.check for f in found)
 
 
 def test_check_dataset_refuses_a_frame_that_is_not_whole(packed, tmp_path):
@@ -322,6 +394,7 @@ def test_a_flipped_byte_in_any_row_fails_every_reader_and_the_full_check_naming_
 
     dataset, damage = damaged_copy(packed, codec, tmp_path)
     ds, hf, meta = open_dataset(dataset), datasets.load_from_disk(str(dataset)), read_metadata(dataset)
+    assert "hidden_states_stored_crc32" in hf.column_names  # each row checked on its stored bytes first
     speculators, specforge = PackedStatesTransfer(tmp_path / "speculators"), PackedFeatures(tmp_path / "specforge")
     assert ds.verification == "crc32"
     for i in range(SAMPLES):

@@ -20,7 +20,7 @@ RUN = "results/demo"
 def test_dataset_opens_and_holds_every_sample(demo_run):
     hf = datasets.load_from_disk(str(demo_run / RUN / "dataset"))
     assert set(hf.column_names) == {"sample_id", "input_ids", "loss_mask", "seq_len", "hidden_states",
-                                    "hidden_states_crc32", "tokens_crc32"}
+                                    "hidden_states_crc32", "hidden_states_stored_crc32", "tokens_crc32"}
     ds = open_dataset(demo_run / RUN / "dataset")
     assert ds.verification == "crc32"  # every row below is read verified
     tokenized = pd.concat(

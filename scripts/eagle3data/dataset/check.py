@@ -9,10 +9,13 @@ mask and one state row per token; a binary mask with a trainable token). Compres
 one token's states per `n_captures x hidden_size` values. `pack` runs it on every dataset before
 publishing.
 
-`--full` then reads every byte: each data file's Arrow structure validated in full, every row decoded
-and verified against its checksums (format.py: each capture's CRC32, and the tokens'), rows side by side
-in `--threads` threads (default: the cores). It lists every damaged row by index, sample and capture. A
-dataset packed before checksums (format 1 or 2) is decoded row by row, its verification "not available".
+`--full` then reads every byte: each data file's Arrow structure validated in full, every row verified
+against its checksums (format.py: the CRC32 of its states as stored, and the tokens'; a row that fails
+is decoded and each capture's CRC32 computed), rows side by side in `--threads` threads (default: the
+cores). Nothing is decoded that passes: pack proved each stored frame gives back the values validate
+checked, so the stored bytes' CRC vouches for the values. It lists every damaged row by index, sample and
+capture. A dataset of format 3 (no stored CRC) is decoded and verified capture by capture; one packed
+before checksums (format 1 or 2) is decoded row by row, its verification "not available".
 Exit status 0 with a one-line summary per dataset, 1 with every failure listed.
 """
 
@@ -164,8 +167,8 @@ def full_check(path: str | Path, threads: int | None = None) -> tuple[str, list[
     def verify(table: pa.Table, rows: range, where: str) -> list[Failure]:
         failed = []
         for i in rows:
-            if checked:
-                _, problems = checker.row(table, i, meta["hidden_size"])
+            if checked:  # format 4: the stored bytes' CRC, no decoding unless a row fails it
+                _, problems = checker.row(table, i, meta["hidden_size"], decode=False)
             else:  # no checksums: at least every row decodes
                 try:
                     fmt.stored_states(table, i, len(meta["captures"]), meta["hidden_size"])
@@ -196,7 +199,8 @@ def full_check(path: str | Path, threads: int | None = None) -> tuple[str, list[
                 found += pending.popleft().result()
             first += table.num_rows
     seconds = time.perf_counter() - began
-    what = ("every row's CRC32s verified" if checked else
+    what = ("every row's CRC32s verified" + ("" if fmt.has_stored_crc(meta) else " capture by capture (format 3)")
+            if checked else
             f"every row decoded; checksums not available (format {meta.get('format_version')})")
     return (f"full: {stored / 1e9:.3f} GB read in {seconds:.1f} s ({stored / 1e9 / max(seconds, 1e-9):.2f} GB/s, "
             f"{threads} threads), {what}"), found

@@ -89,10 +89,11 @@ def _refuse_unchecksummed(shards: list[Path]) -> None:
     must be packed again before it joins a dataset."""
     import pyarrow as pa
 
-    old = [str(p) for p in shards if fmt.STATES_CRC not in pa.ipc.open_stream(pa.memory_map(str(p))).schema.names]
+    wanted = {fmt.STATES_CRC, fmt.STORED_CRC, fmt.TOKENS_CRC}
+    old = [str(p) for p in shards if wanted - set(pa.ipc.open_stream(pa.memory_map(str(p))).schema.names)]
     if old:
         raise ReconciliationError(
-            f"packed shards without checksum columns ({fmt.STATES_CRC}, {fmt.TOKENS_CRC}), packed by an older "
+            f"packed shards without checksum columns ({', '.join(sorted(wanted))}), packed by an older "
             f"eagle3data: {', '.join(old)}. Pack them again: snakemake --forcerun pack_shard")
 
 

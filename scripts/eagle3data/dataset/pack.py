@@ -19,8 +19,9 @@ values' CRCs its header states (`_verified_states`). A raw file (written before 
 on, or restored from a packed shard) is compressed by the thread that read it, and its frame checked
 by decompressing it against the CRCs validate recorded.
 
-Each row carries those CRCs (`hidden_states_crc32`, per capture) and one of its sample id, token ids, mask
-and length (`tokens_crc32`), which every reader verifies (format.py).
+Each row carries those CRCs (`hidden_states_crc32`, per capture), one of its stored states (the frame, or
+the raw values) and of those (`hidden_states_stored_crc32`), and one of its sample id, token ids, mask and
+length (`tokens_crc32`), which every reader verifies (format.py).
 """
 
 from __future__ import annotations
@@ -203,13 +204,17 @@ def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, d
         places = [states[end - length : end] for end, length in zip(itertools.accumulate(lengths), lengths)]
         frames = list(readers.map(_verified_states, [r.sample_id for r in chunk],
                                   [captures[r.sample_id] for r in chunk], places, [compression] * len(chunk)))
+        # The CRCs validate recorded, which _verified_states proved the stored states give back.
+        crcs = [[int(c.checksum, 16) for c in captures[r.sample_id]] for r in chunk]
+        stored = frames if compression else [place.reshape(-1).view(np.uint8) for place in places]
         yield {
             "sample_id": [r.sample_id for r in chunk],
             "input_ids": fmt.list_array([r.input_ids for r in chunk]),
             "loss_mask": fmt.list_array([r.loss_mask for r in chunk]),
             "seq_len": lengths,
-            # The CRCs validate recorded, which _verified_states proved the stored states give back.
-            fmt.STATES_CRC: [[int(c.checksum, 16) for c in captures[r.sample_id]] for r in chunk],
+            fmt.STATES_CRC: crcs,
+            # One CRC of the very bytes the row stores (and of its captures' CRCs): what readers check first.
+            fmt.STORED_CRC: [fmt.stored_crc(b, c) for b, c in zip(stored, crcs)],
             fmt.TOKENS_CRC: [fmt.tokens_crc(r.sample_id, r.input_ids, r.loss_mask, n) for r, n in zip(chunk, lengths)],
         }, fmt.frames_array(frames) if compression else fmt.states_array(states, lengths, meta["dtype"])
 
