@@ -23,9 +23,9 @@ compressed row's frame, ~0.7 of the raw bytes, right after it is decoded, while 
 cache); only a row that fails it has its captures' CRCs computed, to name the damaged capture(s). A
 changed byte is an `IntegrityError` naming the dataset, the row and the capture, never changed values.
 `verify=False`, or `EAGLE3DATA_VERIFY=0` in the environment (for the trainers' readers, which take no
-arguments of ours), skips it. A dataset of format 3 has no stored CRC: its rows are verified capture by capture from their
-values (decoded, each capture gathered), which costs readers more. A dataset of format 1 or 2 has no
-checksums: it loads, and says verification is "not available".
+arguments of ours), skips it. A dataset of format 3 has no stored CRC: its rows are verified capture by
+capture from their values (decoded, each capture gathered), which costs readers more. A dataset of
+format 1 or 2 has no checksums: it loads, and says verification is "not available".
 
 torch is imported where tensors are made, not with the module: the pack_shard and index jobs, which
 write and check the dataset's files with numpy and Arrow, then start without it (~5 s of imports on the
@@ -439,10 +439,10 @@ def frame_buffer(column: pa.ChunkedArray, i: int) -> pa.Buffer | None:
 def decode_states(value, metadata: dict, verify: bool | None = None) -> torch.Tensor:
     """One row's `hidden_states` as `datasets.load_from_disk` returns it -> the torch tensor `[L, n_captures,
     H]` of the metadata's dtype (bf16). `value`: the whole row (`hf[i]`, a dict), whose checksums are then
-    verified (a frame's stored CRC before it is decoded; an IntegrityError names the sample and capture),
-    or the row's `hidden_states` alone (bytes of a Blosc2 frame, or the raw values' nested lists), which a
-    dataset with checksums refuses unless `verify=False` (None: unless EAGLE3DATA_VERIFY=0). `metadata`:
-    the dataset's `eagle3_metadata.json` (`read_metadata`)."""
+    verified (one CRC of its stored frame or values, `RowChecker.check`; an IntegrityError names the sample
+    and capture), or the row's `hidden_states` alone (bytes of a Blosc2 frame, or the raw values' nested
+    lists), which a dataset with checksums refuses unless `verify=False` (None: unless
+    EAGLE3DATA_VERIFY=0). `metadata`: the dataset's `eagle3_metadata.json` (`read_metadata`)."""
     import torch
 
     n, hidden = len(metadata["captures"]), metadata["hidden_size"]
