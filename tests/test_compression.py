@@ -21,15 +21,17 @@ import pyarrow as pa
 import pytest
 import torch
 from conftest import demo_config, with_defaults
+from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file
 
 from eagle3data import decode_states, open_dataset, read_metadata
 from eagle3data.bench.io import write_shards
-from eagle3data.contracts.measuring import facts_header, load_stored, save_states
+from eagle3data.contracts.measuring import facts_header, load_stored
 from eagle3data.contracts.reading import load_states
 from eagle3data.contracts.failures import BoundaryError
 from eagle3data.dataset.check import DatasetCheckError, check_dataset
-from eagle3data.storage.compression import FRAME_TENSOR, Compression, FrameError, decode, frame_bytes
+from eagle3data.storage.compression import (FRAME_KEY, FRAME_TENSOR, Compression, FrameError, decode, frame_bytes,
+                                             frame_checksum)
 from eagle3data.dataset.pack import PackJob, run as pack
 from eagle3data.dataset.packed import restore_missing
 from eagle3data.config.settings import Settings
@@ -67,14 +69,25 @@ def codec_settings(model: Path, codec: str) -> Settings:
                                               storage={"compression": {"codec": codec, "level": 1, "threads": 2}})))
 
 
-def validated_shard(settings: Settings, work: Path, samples: int, read_states: bool = False, raw_every: int = 0):
-    """A synthetic shard whose files the connector wrote compressed with zstd (every `raw_every`-th raw, as
-    its writer threads do while they fall behind), validated."""
-    shard = write_shards(settings, work, 1, samples, TOKENS, Compression("zstd"))[0]
-    for path in shard.files[1::raw_every] if raw_every else []:
-        with atomic_path(path) as tmp:
-            states = load_stored(path)
-            save_states(tmp, states["hidden_states"], states["token_ids"], facts_header(states["hidden_states"]))
+def write_as_earlier_writers(path: str) -> None:
+    """Rewrite a store file as an earlier version's writer threads wrote it under storage.compression:
+    the states as one Blosc2 frame, its header stating the frame's CRC beside the raw values' facts."""
+    stored = load_stored(path)
+    values = stored["hidden_states"].view(torch.uint16).numpy()
+    frame = Compression("zstd").encode(values)
+    about = {"shape": list(values.shape), "dtype": "bfloat16", "codec": "zstd", "level": 1,
+             "checksum": frame_checksum(frame)}
+    with atomic_path(path) as tmp:
+        save_numpy({FRAME_TENSOR: np.frombuffer(frame, np.uint8), "token_ids": stored["token_ids"].numpy()}, tmp,
+                   metadata={**facts_header(stored["hidden_states"]), FRAME_KEY: json.dumps(about)})
+
+
+def validated_shard(settings: Settings, work: Path, samples: int, read_states: bool = False, framed_every: int = 0):
+    """A synthetic shard of raw files as the connector writes them (every `framed_every`-th compressed as
+    an earlier version's writers did), validated."""
+    shard = write_shards(settings, work, 1, samples, TOKENS)[0]
+    for path in shard.files[::framed_every] if framed_every else []:
+        write_as_earlier_writers(path)
     validate(ValidateJob(shard.tokenized, shard.extract_manifest, shard.states, shard.quarantined,
                          str(work / "quarantine"), settings.expected, settings.model.vocab_size,
                          {"max_seq_len": 512, "min_seq_len": 8}, read_states=read_states))
@@ -88,41 +101,41 @@ def pack_shard(shard, settings: Settings, out: Path, samples: int) -> None:
 
 @pytest.fixture(scope="module")
 def packed(tiny_deepseek, tmp_path_factory) -> dict[str, Path]:
-    """The same validated shard of compressed files (every third written raw) packed compressed and raw:
-    {codec: work directory}."""
+    """The same validated shard of raw files (every third compressed by an earlier version's writers)
+    packed compressed and raw: {codec: work directory}."""
     work = tmp_path_factory.mktemp("compression")
     settings = {codec: codec_settings(tiny_deepseek, codec) for codec in ("zstd", "none")}
-    shard = validated_shard(settings["zstd"], work, SAMPLES, raw_every=3)
+    shard = validated_shard(settings["zstd"], work, SAMPLES, framed_every=3)
     for codec, s in settings.items():
         pack_shard(shard, s, work / codec / "dataset", SAMPLES)
     return {codec: work / codec for codec in settings} | {"store": work / "store", "model": tiny_deepseek}
 
 
-def test_pack_stores_the_engines_frames_as_they_are_and_refuses_one_changed_since_validate(packed, tmp_path):
-    """The zstd dataset's rows are the frames of the store files' chunks, byte for byte (not decompressed,
-    not compressed again), and the files the writer left raw compressed by pack; validate measuring every
-    byte of a compressed file finds the facts the writer put in its header; a frame changed after validate
-    is refused, naming the sample."""
+def test_pack_compresses_raw_files_keeps_earlier_frames_and_refuses_one_changed_since_validate(packed, tmp_path):
+    """The zstd dataset's rows are the connector's raw files compressed by pack, and the frames of files an
+    earlier version's writers compressed, byte for byte (not compressed again); validate measuring every
+    byte of such a file finds the facts in its header; a frame changed after validate is refused, naming
+    the sample."""
     table = datasets.load_from_disk(str(packed["zstd"] / "dataset")).with_format("arrow")[:]
     kinds = []
     for sid, frame in zip(table["sample_id"].to_pylist(), table["hidden_states"].to_pylist()):
         stored = load_file(str(sample_path(packed["store"], sid)))
         kinds.append(FRAME_TENSOR in stored)
         if FRAME_TENSOR in stored:
-            assert Compression("zstd").frame_of_chunks(stored[FRAME_TENSOR].numpy().tobytes(), 2) == frame
+            assert stored[FRAME_TENSOR].numpy().tobytes() == frame
         else:
             assert np.array_equal(decode(frame, 4, stored["hidden_states"].shape[2]),
                                   stored["hidden_states"].view(torch.uint16).numpy())
-    assert kinds.count(False) == len(kinds) // 3 and kinds.count(True) > 0
+    assert kinds.count(True) == len(kinds) // 3 and kinds.count(False) > 0
     settings = codec_settings(packed["model"], "zstd")
-    shard = validated_shard(settings, tmp_path / "measured", 2)
+    shard = validated_shard(settings, tmp_path / "measured", 2, framed_every=1)
     written = pd.read_parquet(shard.states)
     validate(ValidateJob(shard.tokenized, shard.extract_manifest, shard.states, shard.quarantined,
                          str(tmp_path / "quarantine"), settings.expected, settings.model.vocab_size,
                          {"max_seq_len": 512, "min_seq_len": 8}, read_states=True))
     pd.testing.assert_frame_equal(pd.read_parquet(shard.states), written)
     assert len(written) == 8
-    shard = validated_shard(settings, tmp_path / "changed", 3)
+    shard = validated_shard(settings, tmp_path / "changed", 3, framed_every=1)
     files = pd.read_parquet(shard.extract_manifest)
     sid, path = files.iloc[1][["sample_id", "path"]]
     original = Path(path).read_bytes()

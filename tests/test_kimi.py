@@ -356,18 +356,18 @@ def test_yarn_deepseek_through_extract_agrees_with_transformers(tiny_deepseek, t
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"model"')))
     assert len(result["rows"]) == 4 * 4
     assert result["worst"]["rel_error"] < 1e-4, result["worst"]
-    # The size estimate printed before extraction is the raw size: a file written raw is that, at most a
-    # little more (the header to 8 bytes, the validation facts in it to ~30 bytes a capture); one
-    # compressed (storage.compression, the default here) is smaller.
+    # The size estimate printed before extraction is the raw size: the engine writes each file raw (pack
+    # compresses), so a file is that, at most a little more (the header to 8 bytes, the validation facts
+    # in it to ~30 bytes a capture).
     info = read_model_info(tiny_deepseek)
     expected = Expected(parse_captures(DEMO_CAPTURES, info.num_hidden_layers), info.hidden_size, "float32")
     files = list((work / "store").rglob("*.safetensors"))
     assert len(files) == 4
     for f in files:
         with safe_open(str(f), framework="pt") as states:
-            tokens, compressed = states.get_slice("token_ids").get_shape()[0], FRAME_TENSOR in states.keys()
+            tokens, raw = states.get_slice("token_ids").get_shape()[0], FRAME_TENSOR not in states.keys()
         slack = disk.sample_bytes(tokens, expected) - f.stat().st_size
-        assert 0 <= slack and (compressed or slack <= 16 + 32 * len(expected.captures)), f
+        assert raw and 0 <= slack <= 16 + 32 * len(expected.captures), f
 
 
 # Runs vLLM directly, not through the pipeline (which refuses this model): shows what the refusal

@@ -5,10 +5,8 @@ forward passes). No vLLM, no GPU work: the connector's own per-file steps on pin
     python3 scripts/gpu/writer_threads.py --dir /dev/shm/writers --out writers.json
 
 Variants: `connector` (written_facts, then save_file through atomic_path(durable=False): what the writer
-threads do for a raw file), `zstd` (the same, compressed as under storage.compression), `zstd-frame` (as
-they compressed before: a whole frame, `to_cframe`), `facts` and `save_file` alone, `plain` (the same
-bytes as save_file writes, from Python's unbuffered file write of the pinned memory) and `facts+plain`.
-Use states of real entropy: `torch.randn` values compress like a real model's (~0.7).
+threads do), `facts` and `save_file` alone, `plain` (the same bytes as save_file writes, from Python's
+unbuffered file write of the pinned memory) and `facts+plain`.
 """
 
 from __future__ import annotations
@@ -28,10 +26,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from safetensors.numpy import save_file as save_numpy
 
-from eagle3data.contracts.measuring import measured, save_states, written_facts
-from eagle3data.storage.compression import Compression, decode
+from eagle3data.contracts.measuring import measured, written_facts
 from eagle3data.contracts.states import FACTS_KEY
 from eagle3data.storage.store import atomic_path
 
@@ -54,31 +50,9 @@ def save_with_library(path: str, states: torch.Tensor, token_ids: torch.Tensor, 
     save_file({"hidden_states": states, "token_ids": token_ids}, path, metadata=metadata)
 
 
-def save_zstd(path: str, states: torch.Tensor, token_ids: torch.Tensor, metadata: dict) -> None:
-    """As the writer threads write a file under storage.compression: Blosc2 chunks, proven, then saved."""
-    save_states(path, states, token_ids, metadata, Compression("zstd"))
-
-
-def save_zstd_frame(path: str, states: torch.Tensor, token_ids: torch.Tensor, metadata: dict) -> None:
-    """The same as a whole Blosc2 frame (`to_cframe`, which holds Python's lock while it copies the frame
-    together), proven by decompressing and comparing every byte: how the writer threads compressed before."""
-    import blosc2
-
-    values = states.view(torch.uint16).numpy()
-    zstd = Compression("zstd")
-    frame = blosc2.SChunk(chunksize=values.nbytes, data=values.reshape(-1).view(np.uint8),
-                          cparams=zstd._cparams(2)).to_cframe()
-    if not np.array_equal(decode(frame, values.shape[1], values.shape[2]), values):
-        raise ValueError("frame did not give the states back")
-    save_numpy({"hidden_states_frame": np.frombuffer(frame, np.uint8), "token_ids": token_ids.numpy()}, path,
-               metadata=metadata)
-
-
 # name: (how each file's facts are measured, or None: measured once beforehand; how it is written, or None)
 VARIANTS = {
     "connector": (written_facts, save_with_library),
-    "zstd": (written_facts, save_zstd),
-    "zstd-frame": (written_facts, save_zstd_frame),
     "facts": (written_facts, None),
     "save_file": (None, save_with_library),
     "plain": (None, plain_write),

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -137,23 +136,22 @@ def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
     from eagle3data.plan import disk
 
     work = Path(args.work)
-    shutil.rmtree(work / "store", ignore_errors=True)  # an earlier codec's files: computed anew, not reused
     write_token_shard(str(work / "shard.parquet"), prompts)
     info = read_model_info(args.model)
     job = ExtractJob(str(work / "shard.parquet"), str(work / "manifest.parquet"), str(work / "stats.json"),
                      str(work / "store"), args.model, False, Expected(captures, info.hidden_size, args.dtype),
                      args.tokens, engine,
-                     storage={**disk.STORAGE_DEFAULTS, "compression": {"codec": args.codec, "level": 1, "threads": 1}})
+                     storage=dict(disk.STORAGE_DEFAULTS))
     with StoreSampler([sample_path(work / "store", sample_id) for sample_id in prompts]) as sampler:
         stats = run_alone(job)
     files = list((work / "store").rglob("*.safetensors"))
-    disk_bytes, written = sum(f.stat().st_size for f in files), compressed_files(files)
+    disk_bytes = sum(f.stat().st_size for f in files)
     raw = stats["computed_tokens"] * len(captures) * info.hidden_size * torch.empty((), dtype=getattr(
         torch, args.dtype)).element_size()
     steps = {f"{step}_seconds": stats[f"{step}_seconds"] for step in TIMED_STEPS}
     return {"tokens": stats["computed_tokens"], "seconds": stats["seconds"], "seconds_by_step": steps,
-            "tokens_per_second": stats["tokens_per_second"], "files": len(files), "codec": args.codec,
-            **written, "bytes_on_disk": disk_bytes, "bytes_on_disk_per_raw_byte": disk_bytes / raw,
+            "tokens_per_second": stats["tokens_per_second"], "files": len(files),
+            "bytes_on_disk": disk_bytes, "bytes_on_disk_per_raw_byte": disk_bytes / raw,
             "after_last_generate": sampler.tail(len(prompts), stats["files_to_come_after_generate"]),
             "timeline": sampler.samples}
 
@@ -200,24 +198,6 @@ class StoreSampler:
             self._take()
             if self._stop.wait(self.every):
                 return
-
-
-def compressed_files(files: list[Path]) -> dict:
-    """How many of the store's files the writer threads compressed (the others they wrote raw, being
-    behind), and the compressed ones' bytes / their states' raw bytes: the states' entropy, which sets the
-    writers' work (vLLM's dummy weights give states that compress to ~0.18, real models' ~0.7)."""
-    from eagle3data.storage.compression import FRAME_KEY, FRAME_TENSOR
-
-    compressed = stored = raw = 0
-    for path in files:
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        about = (header.get("__metadata__") or {}).get(FRAME_KEY)
-        if about:
-            about, (begin, end) = json.loads(about), header[FRAME_TENSOR]["data_offsets"]
-            compressed, stored = compressed + 1, stored + end - begin
-            raw += math.prod(about["shape"]) * (4 if about["dtype"] == "float32" else 2)
-    return {"compressed_files": compressed, "compressed_over_raw": stored / raw if raw else None}
 
 
 def describe_steps(extract: dict) -> str:
@@ -290,9 +270,6 @@ def main() -> None:
     parser.add_argument("--engine", nargs="*", default=[], help="engine settings KEY=VALUE (config/schema.yaml)")
     parser.add_argument("--matmul-size", type=int, default=None,
                         help="default 8192 on cuda; on cpu at most 2048")
-    parser.add_argument("--codec", default="zstd", type=codec_list,
-                        help="storage.compression.codec of the extract stage's files; several (zstd,none): "
-                             "an extract phase each, side by side against the same bare prefill")
     parser.add_argument("--work", default="results/bench-extract", help="shard and states go here")
     parser.add_argument("--out", default=None, help="write the JSON here too")
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
@@ -313,17 +290,12 @@ def main() -> None:
     result = {"model": args.model, "device": args.device, "dtype": args.dtype, "prompts": args.prompts,
               "tokens_per_prompt": args.tokens, "captures": len(args.captures), "engine": args.engine,
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    codecs = args.codec.split(",")
-    for phase in PHASES[:-1]:
+    for phase in PHASES:
         result[phase] = _child(phase)
-    for codec in codecs:  # the first codec's is "extract", the figure; the others' "extract_<codec>"
-        result["extract" if codec == codecs[0] else f"extract_{codec}"] = _child("extract", codec)
     flops = model_flops(args.model, [args.tokens] * args.prompts)
     bare_fps = flops / result["bare"]["seconds"]
     result["figures"] = {
         "extract_over_bare": result["extract"]["tokens_per_second"] / result["bare"]["tokens_per_second"],
-        "extract_over_bare_by_codec": {c: result["extract" if c == codecs[0] else f"extract_{c}"]["tokens_per_second"]
-                                       / result["bare"]["tokens_per_second"] for c in codecs},
         # The same, up to the last file written, before the durable step (what vLLM's own connector does).
         "written_over_bare": result["bare"]["seconds"] / (result["extract"]["seconds"]
                                                           - result["extract"]["seconds_by_step"]["durable_seconds"]),
@@ -339,11 +311,8 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     f, e, b = result["figures"], result["extract"], result["bare"]
-    for codec, ratio in f["extract_over_bare_by_codec"].items():
-        one = result["extract" if codec == codecs[0] else f"extract_{codec}"]
-        print(f"extract ({codec}: {one['compressed_files']} of {one['files']} files compressed by the writers, to "
-              f"{one['compressed_over_raw'] or 1:.3f} of raw) {one['tokens_per_second']:.0f} tok/s / bare prefill "
-              f"{b['tokens_per_second']:.0f} tok/s = {ratio:.3f}")
+    print(f"extract {e['tokens_per_second']:.0f} tok/s / bare prefill {b['tokens_per_second']:.0f} tok/s "
+          f"= {f['extract_over_bare']:.3f}")
     print(f"extract's seconds: {describe_steps(e)}; bare prefill's {b['seconds']:.2f}; up to the last file "
           f"written, before the durable step: {f['written_over_bare']:.3f}")
     last = e["after_last_generate"]
@@ -358,21 +327,12 @@ def main() -> None:
           f"rate needs")
 
 
-def codec_list(text: str) -> str:
-    if not text or set(text.split(",")) - {"none", "zstd", "lz4"}:
-        raise argparse.ArgumentTypeError(f"expected codecs none, zstd, lz4 (comma-separated), found {text!r}")
-    return text
-
-
-def _child(phase: str, codec: str | None = None) -> dict:
-    """Run one phase in a fresh process (frees the GPU between engines), with `codec` if given; its last
-    result line."""
+def _child(phase: str) -> dict:
+    """Run one phase in a fresh process (frees the GPU between engines); its last result line."""
     argv = list(sys.argv[1:])
-    for flag in ("--shape", "--codec"):
-        if flag in argv:
-            i = argv.index(flag)
-            del argv[i : i + 2]
-    argv += ["--codec", codec or "none"]
+    if "--shape" in argv:
+        i = argv.index("--shape")
+        del argv[i : i + 2]
     proc = subprocess.run([sys.executable, "-m", "eagle3data.bench.extract", *argv, "--phase", phase],
                           stdout=subprocess.PIPE, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("BENCH-RESULT ")]

@@ -27,7 +27,6 @@ from pathlib import Path
 
 from eagle3data.bench import REPO
 from eagle3data.bench.crosscheck import parse_capture_arg, parse_engine_args
-from eagle3data.bench.extract import codec_list
 
 DEMO_MODEL = "resources/demo-model"
 DEMO_CAPTURES = "2:input,4:input,5:input,7:output"
@@ -66,7 +65,6 @@ class Figure:
     goal: str  # "" where the issue sets none
     passed: bool | None
     detail: str
-    codec: str = ""  # where a run measured several codecs side by side
 
     def line(self) -> str:
         value = "-" if self.value is None else f"{self.value:.4f}"
@@ -93,30 +91,24 @@ def extract_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
     """Figure 1: eagle3data.bench.extract (pipeline extract vs bare prefill of the same engine)."""
     from eagle3data.bench.extract import describe_steps
 
-    out, codecs = work / "extract.json", args.codec.split(",")
+    out = work / "extract.json"
     cmd = [sys.executable, "-m", "eagle3data.bench.extract", "--model", args.model, "--device", args.device,
            "--captures", args.captures, "--prompts", str(scale.extract_prompts),
-           "--tokens", str(scale.extract_tokens), "--codec", args.codec, "--work", str(work / "extract"),
+           "--tokens", str(scale.extract_tokens), "--work", str(work / "extract"),
            "--out", str(out)]
     run_child(cmd + (["--engine", *args.engine] if args.engine else []), work / "extract.log")
     result = json.loads(out.read_text())
     shutil.rmtree(work / "extract", ignore_errors=True)  # its states (34 GB on a GPU) leave room for figure 7's
-    b, goal = result["bare"], ">= 0.97" if args.device == "cuda" else ">= 0.8"
-    figures = []
-    for codec in codecs:
-        e = result["extract" if codec == codecs[0] else f"extract_{codec}"]
-        stored = ("files raw" if codec == "none" else
-                  f"{e['compressed_files']} of {e['files']} files compressed with {codec} by the writer threads "
-                  f"(the others raw, for pack), the states' frames at {e['compressed_over_raw'] or 1:.3f} of raw")
-        figures.append(replace(judged(
-            "1", "extract", result["figures"]["extract_over_bare_by_codec"][codec], goal,
-            f"extract {e['tokens_per_second']:.0f} tok/s / bare prefill {b['tokens_per_second']:.0f} tok/s "
-            f"({result['prompts']} x {result['tokens_per_prompt']} tokens, {stored}; seconds: {describe_steps(e)}, "
-            f"bare prefill {b['seconds']:.2f}); bare at {result['figures']['bare_over_matmul']:.3f} of a bf16 "
-            f"{result['matmul']['size']}² matmul; the store's durable writes at "
-            f"{result['figures']['store_write_over_bare_need']:.2f} x bare's need"),
-            codec=codec if len(codecs) > 1 else ""))
-    return result, figures
+    e, b = result["extract"], result["bare"]
+    goal = ">= 0.97" if args.device == "cuda" else ">= 0.8"
+    return result, [judged("1", "extract", result["figures"]["extract_over_bare"], goal,
+                           f"extract {e['tokens_per_second']:.0f} tok/s / bare prefill "
+                           f"{b['tokens_per_second']:.0f} tok/s ({result['prompts']} x {result['tokens_per_prompt']} "
+                           f"tokens, files raw; seconds: {describe_steps(e)}, bare prefill {b['seconds']:.2f}); "
+                           f"bare at {result['figures']['bare_over_matmul']:.3f} of a bf16 "
+                           f"{result['matmul']['size']}² matmul; "
+                           f"the store's durable writes at {result['figures']['store_write_over_bare_need']:.2f} "
+                           f"x bare's need")]
 
 
 def describe_timeline(t: dict, bare_seconds: float) -> str:
@@ -139,7 +131,7 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
     bare_tps = measured["extract"]["bare"]["tokens_per_second"]
     engine = {"device": args.device, **parse_engine_args(args.engine)}
     exports = bool({"10", "11"} & set(args.figures.split(",")))
-    codec = args.codec.split(",")[0]
+    codec = args.codec
     result = measure_end_to_end(work / "e2e", args.model, scale.e2e_conversations, engine,
                                 parse_capture_arg(args.captures), os.cpu_count(), scale.e2e_shards, exports,
                                 args.jobs_per_engine, args.transport_dir, codec)
@@ -170,8 +162,6 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
                "seconds from the last extract job's end to the packed dataset (its last validate, pack_shard "
                "and the index): a fixed cost per run, not per token"),
     ]
-    if len(args.codec.split(",")) > 1:
-        figures = [replace(f, codec=codec) for f in figures]
     if not exports:
         return result, figures
     disk = result["footprint"]
@@ -202,12 +192,12 @@ def io_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, li
     return r, [
         judged("2", "validate", r["validate_bytes_per_second"] / r["read_bytes_per_second"], ">= 0.5",
                f"validate {gbs['validate_bytes_per_second']} of states (the facts written with them) / read "
-               f"{gbs['read_bytes_per_second']} from disk, {shape['files']} zstd files of 4 x [512, 7168] bf16; "
+               f"{gbs['read_bytes_per_second']} from disk, {shape['files']} raw files of 4 x [512, 7168] bf16; "
                f"measuring every byte (validation.read_states) {gbs['validate_measuring_bytes_per_second']} = "
                f"{r['validate_measuring_bytes_per_second'] / r['read_bytes_per_second']:.2f} (from page cache: "
                f"{warm['validate_measuring_bytes_per_second']} / {warm['read_bytes_per_second']})"),
         judged("3", "pack", r["pack_bytes_per_second"] / r["cp_durable_bytes_per_second"], ">= 0.5",
-               f"pack {gbs['pack_bytes_per_second']} of states ({r['compression']} files and rows, "
+               f"pack {gbs['pack_bytes_per_second']} of states (raw files into {r['compression']} rows, "
                f"{r['pack_threads']} threads) / cp {gbs['cp_durable_bytes_per_second']} of the same files "
                f"({shape['bytes'] / 1e9:.2f} GB holding {shape['raw_bytes'] / 1e9:.2f} GB of states), both made "
                f"durable (cp then sync; cp alone {gbs['cp_bytes_per_second']}, its copies left in the page "
@@ -321,9 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="figure 7 on a GPU: --resources gpu=<this x tensor parallel size>")
     parser.add_argument("--transport-dir", default="",
                         help="figure 7's storage.transport_dir (a RAM disk: the disk takes each state byte once)")
-    parser.add_argument("--codec", default="zstd", type=codec_list,
-                        help="storage.compression.codec of figure 1's extract stage and figure 7's run (so 10, "
-                             "11); several (zstd,none): figure 1 for each side by side, figure 7 with the first")
+    parser.add_argument("--codec", default="zstd", choices=["none", "zstd", "lz4"],
+                        help="storage.compression.codec of figure 7's run (so 10, 11): the packed dataset's")
     parser.add_argument("--weights", default="",
                         help="where the model's weights come from, for the results tables (e.g. 'random normal "
                              "weights'); default: 'dummy weights' under load_format=dummy")

@@ -8,9 +8,8 @@ the header) with a tokenized shard and an extract manifest per shard. The real `
 their own process with OMP_NUM_THREADS set to the rule's `threads` (validate 2; pack_shard
 storage.compression.threads, capped by the cores as Snakemake caps it), timed inside it
 (`python -m eagle3data.bench.io validate|pack JOB.json`), beside their references on the same files:
-plainly reading them, and `cp` of them. Two sets of files: compressed with zstd as the connector writes
-them under `storage.compression` (validate, and pack into a zstd dataset), and raw (pack without
-compression), in the same passes; rates are of the states' raw bytes. Before each timed pass the files are dropped from the page cache
+plainly reading them, and `cp` of them. Two sets of raw files, as the connector writes them: one validated
+and packed into a zstd dataset (pack compresses), one packed without compression, in the same passes; rates are of the states' raw bytes. Before each timed pass the files are dropped from the page cache
 (posix_fadvise DONTNEED), so every pass reads them from disk, as a production shard (tens of GB) is
 read; `os.sync()` first, so no pass pays for an earlier one's writes.
 """
@@ -37,7 +36,6 @@ from eagle3data.config.settings import Settings
 from eagle3data.contracts.measuring import facts_header, save_states
 from eagle3data.contracts.reading import READ_CHUNK
 from eagle3data.model.shapes import write_shape
-from eagle3data.storage.compression import Compression
 from eagle3data.storage.store import atomic_path, sample_path
 from eagle3data.bench.synthetic import random_prompts, write_token_shard
 
@@ -62,10 +60,8 @@ def kimi_settings(work: Path) -> Settings:
     return Settings(config)
 
 
-def write_shards(settings: Settings, work: Path, shards: int, samples: int, tokens: int,
-                 compression: Compression | None = None) -> list[Shard]:
-    """`shards` shards of `samples` random samples of `tokens` tokens, as tokenize and extract leave them
-    (the files compressed with `compression`, as the connector writes them under storage.compression)."""
+def write_shards(settings: Settings, work: Path, shards: int, samples: int, tokens: int) -> list[Shard]:
+    """`shards` shards of `samples` random samples of `tokens` tokens, as tokenize and extract leave them."""
     expected = settings.expected
     out = []
     for i in range(shards):
@@ -79,7 +75,7 @@ def write_shards(settings: Settings, work: Path, shards: int, samples: int, toke
             path = sample_path(work / "store", sid)
             states = torch.randn(len(ids), len(expected.captures), expected.hidden_size).to(torch.bfloat16)
             with atomic_path(path) as tmp:  # as the connector writes them
-                save_states(tmp, states, torch.tensor(ids, dtype=torch.int64), facts_header(states), compression)
+                save_states(tmp, states, torch.tensor(ids, dtype=torch.int64), facts_header(states))
             rows.append((sid, len(ids), str(path), "computed"))
             shard.files.append(str(path))
         manifest = pd.DataFrame(rows, columns=["sample_id", "num_tokens", "path", "status"])
@@ -193,11 +189,10 @@ def dataset_bytes(path: Path) -> int:
 
 def measure(work: Path, shards: int, samples: int, tokens: int, repeats: int) -> dict:
     """Figures 2, 3 and 6 on 4 x `shards` shards of `samples` samples of `tokens` tokens, which validate
-    and pack see as one shard (pack's 1x for its memory is the first `shards` of them): files compressed
-    with zstd as the connector writes them under storage.compression, and the same shape raw (pack
-    without compression). Subject and reference alternate; each keeps its best of `repeats`."""
+    and pack see as one shard (pack's 1x for its memory is the first `shards` of them): raw files as the
+    connector writes them, packed compressed with zstd, and another set packed without compression. Subject and reference alternate; each keeps its best of `repeats`."""
     settings = kimi_settings(work)
-    sets = {"zstd": write_shards(settings, work / "zstd", 4 * shards, samples, tokens, Compression("zstd")),
+    sets = {"zstd": write_shards(settings, work / "zstd", 4 * shards, samples, tokens),
             "none": write_shards(settings, work / "none", 4 * shards, samples, tokens)}
     files = {codec: files_of(data) for codec, data in sets.items()}
     nbytes = {codec: file_bytes(data) for codec, data in sets.items()}

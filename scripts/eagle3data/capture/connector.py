@@ -18,11 +18,10 @@ crosses an RPC to the driver. We keep that design and change three things:
   pass: a save reaches the worker in a step after the one that wrote the request's last states (the
   scheduler learns that it finished from that step's output), so those states are complete by then,
   and the copy overlaps the step's compute instead of trailing it (at a run's end, one step sooner);
-- under `storage.compression` each file holds its states compressed (storage/compression.py), by the
-  writer threads, while they keep up: a file whose write begins while more than half of the host buffers
-  are taken is written raw (pack compresses it), so compression never makes the engine wait for a buffer
-  (on the H100, an 8B model's ~1.4 GB/s of states of real entropy outran 8 threads compressing them all);
-  the facts are those of the raw values;
+- the files hold the states raw, whatever `storage.compression` says: pack compresses them, in a process
+  of its own. Compressing here, in the engine's process, slowed extraction even when the writers kept up
+  (H100, an 8B model's states of real entropy: 0.78-0.82 of bare prefill against 0.84-0.92 raw, side by
+  side; docs/benchmarks.md, figure 1);
 - each file's header carries the validation facts of its states (measuring.written_facts: norms and least
   bits measured on the GPU beside the copy, the CRCs and counts on the host copy it writes), so the
   validate stage need not read the states again;
@@ -52,7 +51,6 @@ from eagle3data.utils.logs import get_logger
 from eagle3data.capture.pinned import PinnedBuffers
 from eagle3data.contracts.measuring import measured, save_states, written_facts
 from eagle3data.contracts.states import FACTS_KEY
-from eagle3data.storage.compression import Compression
 from eagle3data.storage.store import atomic_path
 
 logger = get_logger(__name__)
@@ -80,10 +78,8 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         self._buffers = None
         self._step_began = None  # CUDA event: all work queued before this step (start_load_kv)
         self._queued, self._seconds = 0, 0.0  # requests queued on GPU; the engine thread's time in here
-        self._writers = {"files": 0, "compressed": 0, "copy_wait": 0.0, "write": 0.0}  # over the writer threads
+        self._writers = {"files": 0, "copy_wait": 0.0, "write": 0.0}  # summed over the writer threads
         self._writers_lock = threading.Lock()
-        compression = self._kv_transfer_config.get_from_extra_config("compression", None)
-        self._compression = Compression.from_settings(compression)  # None: raw files
         if self._is_tp_rank_zero and self._kv_cache.is_cuda:
             one_slot = torch.zeros(1, dtype=torch.long, device=self._kv_cache.device)
             per_token = tuple(extract_from_kv_cache(self._kv_cache, one_slot, 1).shape[1:])  # [n_captures, H]
@@ -102,21 +98,18 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             self._kv_cache.device,
         )
 
-    def _write_tensors(self, tensors, measures, event, filename, lock_fd) -> tuple[float, bool]:
-        """Wait for the copy, write the file with its facts in the header (compressed under
-        storage.compression while at most half of the host buffers are taken); the seconds spent waiting
-        for the copy, and whether the file was compressed. `measures` is the states' `measure` as
-        `[T, 2, n]` (norms, least bits)."""
+    def _write_tensors(self, tensors, measures, event, filename, lock_fd) -> float:
+        """Wait for the copy, write the file with its facts in the header; the seconds spent waiting for
+        the copy. `measures` is the states' `measure` as `[T, 2, n]` (norms, least bits)."""
         try:
             began = time.perf_counter()
             event.synchronize()
             waited = time.perf_counter() - began
             states = tensors["hidden_states"]
             facts = {FACTS_KEY: written_facts(states, measures[:, 0], measures[:, 1])}
-            compression = self._compression if self._buffers is None or self._buffers.mostly_free() else None
             with atomic_path(filename, durable=False) as tmp:  # the extract job makes them durable
-                save_states(tmp, states, tensors["token_ids"], facts, compression)
-            return waited, compression is not None
+                save_states(tmp, states, tensors["token_ids"], facts)
+            return waited
         except BaseException:
             logger.exception("writing hidden states to %s failed", filename)
             raise
@@ -201,13 +194,12 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
                              filename: str, lock_fd) -> None:
         began = time.perf_counter()
         try:
-            waited, compressed = self._write_tensors(tensors, measures, copied, filename, lock_fd)
+            waited = self._write_tensors(tensors, measures, copied, filename, lock_fd)
         finally:
             self._buffers.give_back(buffer)
             shared.release()
         with self._writers_lock:
             self._writers["files"] += 1
-            self._writers["compressed"] += compressed
             self._writers["copy_wait"] += waited
             self._writers["write"] += time.perf_counter() - began - waited
 
@@ -221,10 +213,9 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             with self._writers_lock:
                 writers = dict(self._writers)
             logger.info("states of %d requests queued for writing: %.3f s on the engine's thread (%.3f s of "
-                        "it waiting for a free host buffer); %d files written (%d compressed), the writer "
-                        "threads' seconds: %.2f waiting for copies, %.2f writing", self._queued, self._seconds,
-                        self._buffers.waited_seconds, writers["files"], writers["compressed"],
-                        writers["copy_wait"], writers["write"])
+                        "it waiting for a free host buffer); %d files written, the writer threads' seconds: "
+                        "%.2f waiting for copies, %.2f writing", self._queued, self._seconds,
+                        self._buffers.waited_seconds, writers["files"], writers["copy_wait"], writers["write"])
 
 
 def request_slots(block_ids: list[int], block_size: int, tokens: int) -> np.ndarray:

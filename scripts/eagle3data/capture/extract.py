@@ -201,7 +201,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
     engine = engine_pool.acquire(
         engine_mod.engine_kwargs(
             job.model_path, job.expected.captures, job.expected.dtype, job.max_seq_len, job.engine,
-            job.trust_remote_code, os.path.abspath(job.samples_dir), job.storage.get("compression"),
+            job.trust_remote_code, os.path.abspath(job.samples_dir),
         ),
         job.engine["cpu_kv_cache_gib"], [c.__dict__ for c in job.expected.captures], job.engine["keep_alive_s"],
         job.gpus, str(job.run_dir), job.shard_name,

@@ -58,7 +58,3 @@ class PinnedBuffers:
 
     def give_back(self, buffer: torch.Tensor) -> None:
         self._free.put(buffer)
-
-    def mostly_free(self) -> bool:
-        """Whether at most half of the buffers are taken: the writers keep up with the engine."""
-        return 2 * self._free.qsize() >= self.count

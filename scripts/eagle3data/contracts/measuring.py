@@ -17,13 +17,11 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
 from eagle3data.contracts import reading
 from eagle3data.utils.overlap import ahead
 from eagle3data.contracts.states import FACTS_KEY, ITEMSIZES, Expected, manifest_rows
-from eagle3data.storage.compression import Compression
 
 DTYPES = {name: getattr(torch, name) for name in ITEMSIZES}  # the dtypes states.py knows by name
 # Each float dtype as integers of its width, and its exponent bits (all set: inf or nan).
@@ -143,16 +141,9 @@ def facts_header(states: torch.Tensor) -> dict[str, str]:
     return {FACTS_KEY: written_facts(states, m[:, 0], m[:, 1])}
 
 
-def save_states(path: str, states: torch.Tensor, token_ids: torch.Tensor, metadata: dict[str, str],
-                compression: Compression | None = None) -> None:
-    """A states file as the connector writes it: `hidden_states` and `token_ids` with `metadata` (the
-    facts), or with `compression` the states as a frame (storage/compression.py) beside `token_ids`."""
-    if compression is None:
-        save_file({"hidden_states": states.contiguous(), "token_ids": token_ids}, path, metadata=metadata)
-        return
-    states = states.contiguous()
-    tensors, about = compression.file_entries(_numpy(states), str(states.dtype).removeprefix("torch."))
-    save_numpy({**tensors, "token_ids": token_ids.numpy()}, path, metadata={**metadata, **about})
+def save_states(path: str, states: torch.Tensor, token_ids: torch.Tensor, metadata: dict[str, str]) -> None:
+    """A states file as the connector writes it: `hidden_states` and `token_ids` with `metadata` (the facts)."""
+    save_file({"hidden_states": states.contiguous(), "token_ids": token_ids}, path, metadata=metadata)
 
 
 def load_stored(path: str) -> dict[str, torch.Tensor]:

@@ -17,8 +17,7 @@ import numpy as np
 from isal import isal_zlib
 
 from eagle3data.contracts.states import FACTS_KEY, SAFETENSORS_DTYPES
-from eagle3data.storage.compression import (CHUNKS, FRAME_KEY, FRAME_TENSOR, Compression, FrameError, decode,
-                                             decode_chunks)
+from eagle3data.storage.compression import FRAME_KEY, FRAME_TENSOR, Compression, FrameError, decode
 
 # Each dtype's values as numpy holds them: numpy has no bfloat16, so its 16-bit patterns.
 STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
@@ -45,20 +44,15 @@ def crc(x: np.ndarray, value: int = 0) -> int:
 
 @dataclass(frozen=True)
 class StoredFrame:
-    """A compressed store file's states as read: their bytes (a frame, or Blosc2 chunks back to back), the
-    settings they were compressed with, the CRC32 of their bytes and their per-capture CRCs as the file's
-    header states them (None: no facts there), whether they were decompressed, and whether they are chunks."""
+    """A compressed store file's frame as read: the settings it was compressed with, the CRC32 of its
+    bytes and its states' per-capture CRCs as the file's header states them (None: no facts there), and
+    whether it was decompressed."""
 
     frame: bytearray
     compression: Compression
     checksum: str
     capture_checksums: list[str] | None
     decoded: bool
-    chunks: bool = False
-
-    def as_frame(self, typesize: int) -> bytes | bytearray:
-        """The stored states as the frame a packed row holds."""
-        return self.compression.frame_of_chunks(self.frame, typesize) if self.chunks else self.frame
 
 
 def open_states(f, path: str, out: np.ndarray | None = None,
@@ -97,14 +91,12 @@ def open_states(f, path: str, out: np.ndarray | None = None,
     read_into(f, memoryview(frame), path)
     compression = Compression(about["codec"], about["level"])
     decoded = keep is None or not keep.same_frames(compression)
-    chunks = about.get("container") == CHUNKS
     if decoded:
         try:
-            decode_chunks(frame, out, threads=1) if chunks else decode(frame, shape[1], shape[2], storage, 1, out)
+            decode(frame, shape[1], shape[2], storage, threads=1, out=out)
         except (FrameError, IndexError) as exc:
             raise ValueError(f"{path}: {FRAME_TENSOR} is not {dtype} {list(shape)}: {exc}") from exc
-    return out, dtype, StoredFrame(frame, compression, about["checksum"], _stated_checksums(metadata), decoded,
-                                   chunks)
+    return out, dtype, StoredFrame(frame, compression, about["checksum"], _stated_checksums(metadata), decoded)
 
 
 def _stated_checksums(metadata: dict) -> list[str] | None:

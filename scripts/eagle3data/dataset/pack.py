@@ -13,11 +13,10 @@ conversation that tokenize split into several samples adds each sample after its
 in: `split_samples`), and the finished dataset as `check_dataset` sees it. A conversation already packed
 by an earlier shard is recorded as a duplicate (duplicates.py: one table for the run, written after tokenize).
 
-Under `storage.compression.codec: zstd` (storage/compression.py) the engine's writer threads compressed
-each sample's file: pack stores the file's frame as it is, checked by the CRC of its bytes and the raw
-values' CRCs its header states (`_verified_states`). A raw file (written before compression was turned
-on, or restored from a packed shard) is compressed by the thread that read it, and its frame checked
-by decompressing it against the CRCs validate recorded.
+Under `storage.compression.codec: zstd` (storage/compression.py) each raw store file (as the engine
+writes them) is compressed by the thread that read it, and its frame checked by decompressing it against
+the CRCs validate recorded. A file an earlier version's writer threads compressed keeps its frame, checked
+by the CRC of its bytes and the raw values' CRCs its header states (`_verified_states`).
 
 Each row carries those CRCs (`hidden_states_crc32`, per capture), one of its stored states (the frame, or
 the raw values) and of those (`hidden_states_stored_crc32`), and one of its sample id, token ids, mask and
@@ -141,7 +140,7 @@ def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndar
     if compression is None:
         return None
     if stored is not None and not stored.decoded:
-        return stored.as_frame(out.itemsize)
+        return stored.frame
     frame = compression.encode(out)
     stored = decode(frame, out.shape[1], out.shape[2], out.dtype, threads=compression.threads)
     found = [checksum(stored[:, c.slot, :]) for c in captures]

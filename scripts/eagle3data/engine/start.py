@@ -49,9 +49,8 @@ def check_vllm_version() -> str:
 
 
 def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_len: int,
-                  engine: dict, trust_remote_code: bool, store_dir: str, compression: dict | None = None) -> dict:
-    """Arguments for `vllm.LLM`: extraction of `captures` written by our connector under store_dir,
-    compressed as `compression` (storage.compression's block) says."""
+                  engine: dict, trust_remote_code: bool, store_dir: str) -> dict:
+    """Arguments for `vllm.LLM`: extraction of `captures` written by our connector under store_dir."""
     kwargs = dict(
         model=model_path,
         dtype=dtype,
@@ -86,9 +85,6 @@ def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_
             },
         },
     )
-    if compression and compression["codec"] != "none":  # an engine writing raw files keeps its key
-        extra = kwargs["kv_transfer_config"]["kv_connector_extra_config"]
-        extra["compression"] = {"codec": compression["codec"], "level": compression["level"]}
     if engine.get("attention_backend"):
         kwargs["attention_backend"] = engine["attention_backend"]
     return kwargs

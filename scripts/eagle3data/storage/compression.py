@@ -14,24 +14,18 @@ by Blosc2's threads). The frame describes itself (codec, filter, sizes), so `dec
 shape's last two dimensions; the dataset's metadata names the codec and its settings (`metadata`), and
 a dataset without the key (written before compression, or with `codec: none`) holds raw values.
 
-The per-sample store files are compressed where they are written, by the engine's writer threads, while
-they have time to spare (capture/connector.py: a file written while most host buffers wait is written
-raw, and pack compresses it, so compression never makes the engine wait). Blosc2 releases Python's lock
-while it compresses, so the threads compress side by side beside vLLM's engine thread. A compressed store
-file holds the states' Blosc2 chunks back to back as `hidden_states_frame` (uint8) beside `token_ids`,
-and its safetensors metadata says what they hold (`FRAME_KEY`: shape, dtype, codec, level, container
-`chunks`, the CRC32 of their bytes; a file without `container` holds a whole frame). The writer proves
-the chunks before the file exists: it decompresses them and compares the CRC32 of what comes back with
-that of the states, whose facts (the raw values' CRCs among them) go into the same header. Pack checks
-the chunks' bytes against the stated CRC and the stated raw CRCs against those validate recorded, and
-stores the frame made of them (`frame_of_chunks`: the frame `encode` makes of the same states); a raw
-file it compresses itself, and proves by decompressing it.
+The engine's writer threads write each sample's store file raw: compressing there, in the engine's
+process, slowed extraction even where the writers kept up with the GPU (docs/benchmarks.md, figure 1).
+Pack compresses each sample as it packs it, in threads of its own process (`encode`: the chunks with
+Python's lock released, then the frame made of them), and proves each frame by decompressing it against
+the CRCs validate recorded. A store file written compressed by an earlier version (`hidden_states_frame`
+beside `token_ids`, its safetensors metadata `FRAME_KEY` saying what the frame holds) is still read, and
+pack stores its frame as it is after checking its bytes against the CRC its header states.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import threading
 from dataclasses import dataclass
@@ -99,28 +93,10 @@ class Compression:
         """Whether `other`'s frames are byte for byte what this one would write."""
         return other is not None and (self.codec, self.level) == (other.codec, other.level)
 
-    def file_entries(self, states: np.ndarray, dtype: str) -> tuple[dict, dict]:
-        """A store file's states as safetensors tensors and metadata: the Blosc2 chunks of `states` (their
-        storage values, `dtype` their name) back to back, proven to decompress to them bit for bit (the CRC32
-        of the decompressed bytes against that of the states), and what they hold with the CRC32 of their
-        bytes (pack checks those bytes against it and makes the row's frame of them, `frame_of_chunks`).
-
-        Chunks, not a frame, because this runs in the engine's writer threads beside vLLM's engine thread:
-        Blosc2 releases Python's lock while it compresses and decompresses, but not while `to_cframe` copies
-        a frame together (~9 ms a 16 MB sample of real entropy, which stalled the engine thread between its
-        forward passes); pack makes the same frame from the chunks in ~5 ms, off the GPU's path."""
-        chunks = self.chunks(states)
-        stream = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        back = _scratch(states.nbytes)
-        _decompress_chunks(iter_chunks(stream), back, self.threads)
-        if isal_zlib.crc32(back) != isal_zlib.crc32(states.reshape(-1).view(np.uint8)):
-            raise FrameError(f"{self.codec} chunks of {list(states.shape)} {dtype} states did not give them back")
-        about = {"shape": list(states.shape), "dtype": dtype, "codec": self.codec, "level": self.level,
-                 "container": CHUNKS, "checksum": frame_checksum(stream)}
-        return {FRAME_TENSOR: np.frombuffer(stream, dtype=np.uint8)}, {FRAME_KEY: json.dumps(about)}
-
     def encode(self, states: np.ndarray) -> bytes:
-        """One row's states (C-contiguous, their storage dtype) as a Blosc2 frame."""
+        """One row's states (C-contiguous, their storage dtype) as a Blosc2 frame: its chunks compressed
+        with Python's lock released (pack's threads compress side by side), then framed (~5 ms a 16 MB
+        sample, with the lock: `to_cframe` copies the frame together)."""
         return self.frame_of_chunks(self.chunks(states), states.itemsize)
 
     def chunks(self, states: np.ndarray) -> list[bytes]:
@@ -135,11 +111,9 @@ class Compression:
         return [blosc2.compress2(flat[start : start + CHUNK_BYTES], cparams=cparams)
                 for start in range(0, max(flat.nbytes, 1), CHUNK_BYTES)]
 
-    def frame_of_chunks(self, chunks, typesize: int) -> bytes:
-        """The Blosc2 frame holding these chunks (a list, or `chunks` back to back as a store file holds
-        them): byte for byte the frame `encode` makes of the same states."""
+    def frame_of_chunks(self, chunks: list[bytes], typesize: int) -> bytes:
+        """The Blosc2 frame holding these chunks (`chunks`' own)."""
         blosc2 = _blosc2()
-        chunks = list(iter_chunks(chunks)) if not isinstance(chunks, list) else chunks
         size = max(blosc2.get_cbuffer_sizes(chunks[0])[0], typesize)
         framed = blosc2.SChunk(chunksize=size, cparams=self._cparams(typesize))
         for chunk in chunks:
@@ -153,31 +127,6 @@ class Compression:
             typesize=typesize, nthreads=self.threads, blocksize=BLOCK_BYTES,
             filters=[blosc2.Filter.NOFILTER] * 5 + [blosc2.Filter.SHUFFLE],
         )
-
-
-CHUNKS = "chunks"  # FRAME_KEY's `container` of a store file holding Blosc2 chunks back to back (no key: a frame)
-_scratch_memory = threading.local()  # per writer thread: where its chunks are decompressed to be proven
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    held = getattr(_scratch_memory, "bytes", None)
-    if held is None or held.size < nbytes:
-        held = _scratch_memory.bytes = np.empty(nbytes, np.uint8)
-    return held[:nbytes]
-
-
-def iter_chunks(stream):
-    """The Blosc2 chunks of `stream`, chunks back to back (each one's header gives its size)."""
-    blosc2, view, start = _blosc2(), memoryview(stream).cast("B"), 0
-    while start < len(view):
-        try:
-            cbytes = blosc2.get_cbuffer_sizes(view[start:])[1]
-        except Exception as exc:  # noqa: BLE001 (Blosc2 raises several kinds for bytes that are no chunk)
-            raise FrameError(f"stored states hold no Blosc2 chunk at byte {start}: {exc}") from exc
-        if not 0 < cbytes <= len(view) - start:
-            raise FrameError(f"a Blosc2 chunk at byte {start} says {cbytes} bytes, {len(view) - start} are left")
-        yield view[start : start + cbytes]
-        start += cbytes
 
 
 class FrameError(ValueError):
@@ -236,14 +185,6 @@ def decode(frame, n_captures: int, hidden_size: int, dtype: np.dtype | None = No
                               threads)
     if done != chunked.nbytes:
         raise FrameError(f"a frame's chunks hold {done} bytes, its header says {chunked.nbytes}")
-    return out
-
-
-def decode_chunks(stream, out: np.ndarray, threads: int | None = None) -> np.ndarray:
-    """`out` (C-contiguous) filled from Blosc2 chunks back to back, as a store file holds them."""
-    done = _decompress_chunks(iter_chunks(stream), out.reshape(-1).view(np.uint8), threads)
-    if done != out.nbytes:
-        raise FrameError(f"stored chunks hold {done} bytes, {list(out.shape)} {out.dtype} states {out.nbytes}")
     return out
 
 
