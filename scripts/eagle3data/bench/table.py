@@ -67,7 +67,7 @@ FIGURES: dict[str, tuple[str, str]] = {
 # Figures shown for GPU machines only: on a CPU, figure 9 times the 20 MB demo model's start, fixed costs.
 GPU_ONLY = {"9"}
 # The README's headline rows: (figure, hardware).
-HEADLINE = [("1", "1x H100, dummy weights, zstd"), ("7", "1x H100, dummy weights, zstd"), ("9", "1x H200"), ("regenerate", "1x H200"),
+HEADLINE = [("1", "1x H100, random normal(0, 0.02) weights, raw"), ("7", "1x H100, dummy weights, zstd"), ("9", "1x H200"), ("regenerate", "1x H200"),
             ("6", "2-core CPU"), ("12", "2-core CPU"), ("2", "2-core CPU"), ("3", "2-core CPU"),
             ("11", "2-core CPU"), ("8a", "2-core CPU"), ("8c", "2-core CPU"), ("8d", "2-core CPU")]
 
@@ -119,7 +119,8 @@ def figures_of(data: dict) -> list[tuple[str, float] | tuple[str, float, str]]:
         return [(f["figure"], f["value"], *([f["codec"]] if f.get("codec") else []))
                 for f in data["figures"] if f.get("value") is not None]
     if isinstance(data.get("figures"), dict) and "extract_over_bare_by_codec" in data["figures"]:
-        return [("1", v, c) for c, v in data["figures"]["extract_over_bare_by_codec"].items()]  # writers compressing
+        return [("1", v, c if c == "none" else f"{c} by the writer threads")  # the writers compressing, or not
+                for c, v in data["figures"]["extract_over_bare_by_codec"].items()]
     if isinstance(data.get("figures"), dict) and "extract_over_bare" in data["figures"]:
         return [("1", data["figures"]["extract_over_bare"])]  # python -m eagle3data.bench.extract
     if data.get("figure") == "8" and isinstance(data.get("arms"), dict):  # bench.acceptance
