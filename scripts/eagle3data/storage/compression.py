@@ -84,11 +84,6 @@ class Compression:
                 "codec": self.codec, "level": self.level, "filter": FILTER, "block_bytes": BLOCK_BYTES,
                 "chunk_bytes": CHUNK_BYTES}
 
-    @classmethod
-    def from_settings(cls, settings: dict | None, threads: int = 1) -> Compression | None:
-        """From `{codec, level}` (a frame's metadata, an engine's extra config); None where it is absent."""
-        return cls(settings["codec"], settings["level"], threads) if settings else None
-
     def same_frames(self, other: Compression | None) -> bool:
         """Whether `other`'s frames are byte for byte what this one would write."""
         return other is not None and (self.codec, self.level) == (other.codec, other.level)
