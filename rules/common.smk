@@ -5,7 +5,7 @@ from snakemake.utils import min_version
 
 min_version("9.27")
 
-from eagle3data.config.problems import stop_on
+from eagle3data.utils.problems import stop_on
 from eagle3data.config.run_check import Where, plan_problems, start_problems
 from eagle3data.inputs.conversations import count_conversations
 from eagle3data.plan.shards import plan

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from eagle3data.config.preflight import report
-from eagle3data.config.problems import render
+from eagle3data.utils.problems import render
 from eagle3data.config.run_check import Where, model_problems
 
 sm = snakemake  # noqa: F821

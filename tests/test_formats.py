@@ -446,15 +446,14 @@ def test_split_conversations_reconcile_at_pack():
         _reconcile(3, 0, 4, [skipped])
 
 
-def test_snakemake_tokenizes_every_format_file_without_a_failed_job(tmp_path):
-    """A real run of the tokenize rule with the demo's tokenizer and template, every file at once; the
-    tokenizer alone is the model directory (tokenize reads nothing else)."""
+def test_snakemake_tokenizes_every_format_file_without_a_failed_job(tiny_deepseek, tmp_path):
+    """A real run of the tokenize rule with the demo model's tokenizer and template, every file at once
+    (the run checks the whole checkpoint before its first job)."""
     rows = [line for path in sorted(FORMATS.glob("*.jsonl")) for line in path.read_text().splitlines()]
     data = tmp_path / "formats.jsonl"
     data.write_text("\n".join(rows) + "\n")
     config = demo_config(input=str(data), run="formats", shard_size=8)
-    build_demo_tokenizer(DEMO_CONVERSATIONS.read_text().splitlines(), tmp_path / "model")
-    config["model"].update(path=str(tmp_path / "model"), build_demo=False)
+    config["model"].update(path=str(tiny_deepseek), build_demo=False)
     shards = [f"results/formats/tokenized/shard-{i:05d}.parquet" for i in range((len(rows) + 7) // 8)]
     # A flag between the config file and the targets: --configfile would take the targets as files.
     run_snakemake(tmp_path, "--printshellcmds", *shards, config=config, timeout=600)

@@ -125,11 +125,13 @@ def test_rerun_has_nothing_to_do_and_report_renders(demo_run, tmp_path):
 
 
 def test_a_run_whose_every_sample_is_skipped_ends_with_its_counts_and_report(tmp_path, tiny_deepseek):
-    """No sample to extract (no conversation has an answer to train on): no engine starts, the run
-    succeeds, and its counts and report say why every conversation was skipped."""
-    rows = [{"messages": [{"role": "user", "content": f"Question {i}?"}]} for i in range(3)]
+    """No sample to extract (every conversation shorter than sequence.min_seq_len, which only tokenize
+    can tell): no engine starts, the run succeeds, and its counts and report say why every conversation
+    was skipped."""
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": "Yes."}]}
+            for i in range(3)]
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    config = demo_config(input=str(tmp_path / "chats.jsonl"),
+    config = demo_config(input=str(tmp_path / "chats.jsonl"), sequence={"max_seq_len": 512, "min_seq_len": 400},
                          model={"path": str(tiny_deepseek), "build_demo": False})
     proc = run_snakemake(tmp_path, config=config)
     assert "starting engine" not in proc.stdout + proc.stderr

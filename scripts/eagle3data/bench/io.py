@@ -34,9 +34,9 @@ from eagle3data.bench import REPO
 from eagle3data.contracts.schemas import ExtractManifest, SkippedShard, check
 from eagle3data.config.settings import Settings
 from eagle3data.contracts.measuring import facts_header, save_states
-from eagle3data.contracts.reading import READ_CHUNK
 from eagle3data.model.shapes import write_shape
 from eagle3data.storage.store import atomic_path, sample_path
+from eagle3data.bench.files import drop_from_page_cache, read_files
 from eagle3data.bench.synthetic import random_prompts, write_token_shard
 
 
@@ -107,28 +107,6 @@ def files_of(shards: list[Shard]) -> list[str]:
 
 def file_bytes(shards: list[Shard]) -> int:
     return sum(Path(f).stat().st_size for f in files_of(shards))
-
-
-def drop_from_page_cache(paths: list[str]) -> None:
-    """Write back everything, then evict these files' pages: the next read comes from disk."""
-    os.sync()
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def read_files(paths: list[str]) -> float:
-    """Seconds to read the files into one reused buffer: the reference for validate."""
-    buffer = memoryview(bytearray(READ_CHUNK))  # the chunk load_states reads with
-    began = time.perf_counter()
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buffer):
-                pass
-    return time.perf_counter() - began
 
 
 def copy_files(paths: list[str], dest: Path) -> tuple[float, float]:

@@ -233,7 +233,7 @@ def reader_rates(datasets_: dict[str, Path], work: Path, model: Path, repeats: i
 def full_check_rates(datasets_: dict[str, Path]) -> dict:
     """The full check of each dataset from disk (its files evicted from the page cache) against a plain
     read of the same files from disk: GB/s of the files' bytes, and their ratio."""
-    from eagle3data.bench.io import drop_from_page_cache, read_files
+    from eagle3data.bench.files import drop_from_page_cache, read_files
     from eagle3data.dataset.check import data_files, full_check
 
     out = {}

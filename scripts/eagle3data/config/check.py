@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from eagle3data.config.problems import MAX_PROBLEM_LINES, Problem
+from eagle3data.utils.problems import MAX_PROBLEM_LINES, Problem
 
 if TYPE_CHECKING:
     from jsonschema.exceptions import ValidationError

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eagle3data.inputs.conversations import count_conversations, read_shard
 from eagle3data.plan.disk import sample_bytes
-from eagle3data.config.problems import Problem
+from eagle3data.utils.problems import Problem
 from eagle3data.config.settings import Settings, engine_device, with_schema_defaults
 from eagle3data.plan.shards import plan
 from eagle3data.inputs.tokenization import load_tokenizer, tokenize_records

@@ -1,6 +1,6 @@
 """Everything about a run that can be checked before a GPU is checked before a GPU: all at once.
 
-Two moments, both before any job starts, each telling every problem it finds (eagle3data.config.problems):
+Two moments, both before any job starts, each telling every problem it finds (eagle3data.utils.problems):
 
 - while Snakemake plans the run (rules/common.smk, `plan_problems`; dry runs too): the config against
   its schema, the input's every line (eagle3data.inputs.scan), the storage and model-builder settings.
@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 
 from eagle3data.config.check import fill_defaults, schema_problems
-from eagle3data.config.problems import Problem
+from eagle3data.utils.problems import Problem
 from eagle3data.config.settings import engine_device
 from eagle3data.engine.start import ALLOW_UNTESTED_ENV, TESTED_VLLM
 from eagle3data.inputs.scan import input_problems

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from eagle3data.config.problems import Problem
+from eagle3data.utils.problems import Problem
 from eagle3data.inputs.conversations import OPENAI_ROLES, SHAREGPT_ROLES
 
 SHOWN_LINES = 3  # broken lines named one by one; the rest are counted

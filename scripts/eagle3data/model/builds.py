@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from eagle3data.config.problems import Problem
+from eagle3data.utils.problems import Problem
 from eagle3data.storage.store import atomic_path
 
 MARKER = ".eagle3data-built.json"

@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3data.config.problems import Problem
+from eagle3data.utils.problems import Problem
 
 KEY = "model.path"
 # config.json keys vLLM takes the context length from, the smallest found wins (its own list, in order).
