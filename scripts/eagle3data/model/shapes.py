@@ -37,46 +37,30 @@ def kimi_k25_config(n_routed_experts: int = 8, num_experts_per_tok: int = 2, num
     )
 
 
-def llama_8b_config():
-    """Llama-3.1-8B's shape (8.03e9 parameters)."""
+def _llama_config(**shape):
+    """A Llama-architecture config of `shape` (sizes, rope), bf16, as vLLM serves it."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=131072,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
-        architectures=["LlamaForCausalLM"],
+    return LlamaConfig(**shape, rms_norm_eps=1e-5, dtype="bfloat16", architectures=["LlamaForCausalLM"])
+
+
+def llama_8b_config():
+    """Llama-3.1-8B's shape (8.03e9 parameters)."""
+    return _llama_config(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     )
 
 
 def smollm2_135m_config():
-    """SmolLM2-135M-Instruct's shape: a small model's states come at more bytes a second per GPU than an 8B
-    model's (~4.6 KB a token, at several times the tokens a second), the writer threads' hardest case."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=8192,
+    """SmolLM2-135M-Instruct's shape: a small model's states come at more bytes a second per GPU than an
+    8B model's (~4.6 KB a token, at several times the tokens a second), the store's hardest case."""
+    return _llama_config(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        dtype="bfloat16",
-        architectures=["LlamaForCausalLM"],
     )
 
 

@@ -16,9 +16,8 @@ a dataset without the key (written before compression, or with `codec: none`) ho
 
 The engine's writer threads write each sample's store file raw: compressing there, in the engine's
 process, slowed extraction even where the writers kept up with the GPU (docs/benchmarks.md, figure 1).
-Pack compresses each sample as it packs it, in threads of its own process (`encode`: the chunks with
-Python's lock released, then the frame made of them), and proves each frame by decompressing it against
-the CRCs validate recorded. A store file written compressed by an earlier version (`hidden_states_frame`
+Pack compresses each sample as it packs it, in threads of its own process (`encode`), and proves each
+frame by decompressing it against the CRCs validate recorded. A store file written compressed by an earlier version (`hidden_states_frame`
 beside `token_ids`, its safetensors metadata `FRAME_KEY` saying what the frame holds) is still read, and
 pack stores its frame as it is after checking its bytes against the CRC its header states.
 """
@@ -90,38 +89,23 @@ class Compression:
 
     def encode(self, states: np.ndarray) -> bytes:
         """One row's states (C-contiguous, their storage dtype) as a Blosc2 frame: its chunks compressed
-        with Python's lock released (pack's threads compress side by side), then framed (~5 ms a 16 MB
-        sample, with the lock: `to_cframe` copies the frame together)."""
-        return self.frame_of_chunks(self.chunks(states), states.itemsize)
-
-    def chunks(self, states: np.ndarray) -> list[bytes]:
-        """One row's states (C-contiguous, their storage dtype) as Blosc2 chunks of CHUNK_BYTES (the last
-        smaller), each compressed with Python's lock released."""
+        with Python's lock released (pack's threads compress side by side), then framed (`to_cframe`
+        holds the lock while it copies the frame together: ~5 ms a 16 MB sample)."""
+        blosc2 = _blosc2()
         if not self.enabled:
             raise ValueError("encode: codec none stores raw values, no frame")
         if not states.flags.c_contiguous:
             raise ValueError("encode: expected C-contiguous states")
-        blosc2, flat = _blosc2(), states.reshape(-1).view(np.uint8)
-        cparams = self._cparams(states.itemsize)
-        return [blosc2.compress2(flat[start : start + CHUNK_BYTES], cparams=cparams)
-                for start in range(0, max(flat.nbytes, 1), CHUNK_BYTES)]
-
-    def frame_of_chunks(self, chunks: list[bytes], typesize: int) -> bytes:
-        """The Blosc2 frame holding these chunks (`chunks`' own)."""
-        blosc2 = _blosc2()
-        size = max(blosc2.get_cbuffer_sizes(chunks[0])[0], typesize)
-        framed = blosc2.SChunk(chunksize=size, cparams=self._cparams(typesize))
-        for chunk in chunks:
-            framed.append_chunk(chunk)
-        return framed.to_cframe()
-
-    def _cparams(self, typesize: int):
-        blosc2 = _blosc2()
-        return blosc2.CParams(
+        cparams = blosc2.CParams(
             codec=blosc2.Codec.ZSTD if self.codec == "zstd" else blosc2.Codec.LZ4, clevel=self.level,
-            typesize=typesize, nthreads=self.threads, blocksize=BLOCK_BYTES,
+            typesize=states.itemsize, nthreads=self.threads, blocksize=BLOCK_BYTES,
             filters=[blosc2.Filter.NOFILTER] * 5 + [blosc2.Filter.SHUFFLE],
         )
+        flat = states.reshape(-1).view(np.uint8)
+        framed = blosc2.SChunk(chunksize=max(min(flat.nbytes, CHUNK_BYTES), states.itemsize), cparams=cparams)
+        for start in range(0, max(flat.nbytes, 1), CHUNK_BYTES):
+            framed.append_chunk(blosc2.compress2(flat[start : start + CHUNK_BYTES], cparams=cparams))
+        return framed.to_cframe()
 
 
 class FrameError(ValueError):
@@ -176,30 +160,22 @@ def decode(frame, n_captures: int, hidden_size: int, dtype: np.dtype | None = No
         out = np.empty(shape, dtype=dtype)
     elif out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
         raise FrameError(f"a frame of {list(shape)} {dtype} where {list(out.shape)} {out.dtype} was expected")
-    done = _decompress_chunks((chunked.get_chunk(n) for n in range(chunked.nchunks)), out.reshape(-1).view(np.uint8),
-                              threads)
-    if done != chunked.nbytes:
-        raise FrameError(f"a frame's chunks hold {done} bytes, its header says {chunked.nbytes}")
-    return out
-
-
-def _decompress_chunks(chunks, flat: np.ndarray, threads: int | None) -> int:
-    """Decompress `chunks` one after the other into `flat` (bytes); the bytes they held."""
-    blosc2, start = _blosc2(), 0
-    for n, chunk in enumerate(chunks):
-        # Chunk by chunk with decompress2, which releases the GIL (a frame's own readers hold it): a
+    flat, start = out.reshape(-1).view(np.uint8), 0
+    for n in range(chunked.nchunks):
+        # Chunk by chunk with decompress2, which releases the GIL (the frame's own readers hold it): a
         # trainer's reader threads decode rows side by side. One thread a block at most: a context with
         # more threads starts them for every call (~ms).
+        chunk = chunked.get_chunk(n)
         nbytes, _, blocksize = blosc2.get_cbuffer_sizes(chunk)
-        if start + nbytes > flat.nbytes:
-            raise FrameError(f"chunk {n} holds {nbytes} bytes, {flat.nbytes - start} are left of the states")
         workers = max(1, min(threads or blosc2.nthreads, -(-nbytes // blocksize)))
         try:
             blosc2.decompress2(chunk, dst=flat[start : start + nbytes], nthreads=workers)
         except (ValueError, RuntimeError) as exc:
-            raise FrameError(f"chunk {n} of the stored states does not decompress: {exc}") from exc
+            raise FrameError(f"chunk {n} of a frame does not decompress: {exc}") from exc
         start += nbytes
-    return start
+    if start != chunked.nbytes:
+        raise FrameError(f"a frame's chunks hold {start} bytes, its header says {chunked.nbytes}")
+    return out
 
 
 CRC_BLOCK_BYTES = 1 << 20  # capture_crcs gathers a capture's values this many bytes at a time (cache-sized)
