@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -277,3 +278,34 @@ def test_an_engine_server_stops_soon_after_its_run_is_gone_for_good(tiny_deepsee
             os.killpg(run.pid, signal.SIGKILL)
         tree.stop()
 
+
+
+
+def test_the_reaper_stops_what_stays_in_the_jobs_session_and_spares_what_left_it_late(tmp_path):
+    """A child the reaper saw in the job's session before its own setsid() (an engine server forked on a
+    loaded machine) is spared once the job is gone; a straggler that stayed in the session is stopped."""
+    job = tmp_path / "job.py"
+    job.write_text(
+        "import subprocess, sys, time\n"
+        "from eagle3data.engine.reaper import guard\n"
+        "guard('test job')\n"
+        "late = 'import os, time; time.sleep(2.0); os.setsid(); time.sleep(60)'\n"
+        "server = subprocess.Popen([sys.executable, '-c', late])\n"
+        "straggler = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(server.pid, straggler.pid, flush=True)\n"
+        "time.sleep(3.0)\n"
+    )
+    out, log = tmp_path / "job.out", tmp_path / "job.log"
+    with open(out, "w") as stdout, open(log, "w") as stderr:
+        subprocess.run([sys.executable, str(job)], stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                       timeout=60, start_new_session=True)
+    server, straggler = (psutil.Process(int(pid)) for pid in out.read_text().split())
+    try:
+        wait_for(lambda: "left is gone" in text(log), 30, "the reaper done")
+        assert not running(straggler), text(log)
+        assert running(server), text(log)
+        assert f"stopping the 1 processes it left: {straggler.pid}" in text(log), text(log)
+    finally:
+        for process in (server, straggler):
+            if running(process):
+                process.kill()

@@ -12,8 +12,8 @@ process group does not reach it) that ignores SIGINT, SIGTERM and SIGHUP. Every 
 list the watched process's descendants that share the watched process's session (pid and start time,
 so a reused pid is never mistaken for one of them); once the watched process is gone, whatever ended it
 (SIGTERM, SIGINT, SIGKILL, a crash, or a normal exit that left a straggler), it sends SIGTERM to those of
-its list still alive (vLLM's engine core then shuts its workers down), SIGKILLs what is left after
-GRACE_S, logs each step to the job's log (it inherits the job's stderr) and exits. Descendants in a session
+its list still alive and still in that session (vLLM's engine core then shuts its workers down), SIGKILLs
+what is left after GRACE_S, logs each step to the job's log (it inherits the job's stderr) and exits. Descendants in a session
 of their own are not its business: the engine server (engine/server.py) starts its own session because
 it outlives the job that started it by design, and guards its own engine.
 
@@ -67,6 +67,13 @@ def _running(process) -> bool:
         return False
 
 
+def _in_session(process, session: int) -> bool:
+    try:
+        return os.getsid(process.pid) == session
+    except ProcessLookupError:
+        return False
+
+
 def _describe(process) -> str:
     try:
         return f"{process.pid} ({process.name()})"
@@ -101,7 +108,9 @@ def watch(pid: int, label: str) -> None:
         if not alive:
             break
         time.sleep(POLL_S)
-    left = {p: _describe(p) for p in seen.values() if _running(p)}
+    # The session is asked again: a child seen between its fork and its own setsid() (the engine server,
+    # on a loaded machine) carried the job's session then and not now.
+    left = {p: _describe(p) for p in seen.values() if _running(p) and _in_session(p, session)}
     if not left:
         return
     _say(f"{label} (pid {pid}) is gone; stopping the {len(left)} processes it left: "
