@@ -20,18 +20,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3data.contracts import reading
+from eagle3data.contracts.dtypes import DTYPES
 from eagle3data.utils.overlap import ahead
-from eagle3data.contracts.states import FACTS_KEY, ITEMSIZES, Expected, manifest_rows
+from eagle3data.contracts.states import FACTS_KEY, Expected, manifest_rows
 
-DTYPES = {name: getattr(torch, name) for name in ITEMSIZES}  # the dtypes states.py knows by name
-# Each float dtype as integers of its width, and its exponent bits (all set: inf or nan).
-_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
-         torch.float32: (torch.int32, 0x7F800000)}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
+# Each dtype as integers of its width, and its exponent bits (all set: inf or nan).
+_BITS = {TORCH_DTYPES[name]: (getattr(torch, f"int{8 * d.storage.itemsize}"), d.exponent)
+         for name, d in DTYPES.items()}
 _BLOCK_BYTES = 2 << 20  # capture_facts reads and measures this many bytes of tokens at a time
 
 
 def _numpy(x: torch.Tensor) -> np.ndarray:
-    """x's memory as numpy holds it (reading.STORAGE: bfloat16 as its 16-bit patterns), not copied."""
+    """x's memory as numpy holds it (dtypes.STORAGE: bfloat16 as its 16-bit patterns), not copied."""
     return x.view(torch.uint16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
 
 
@@ -152,7 +153,7 @@ def load_stored(path: str) -> dict[str, torch.Tensor]:
     array, dtype, _ = reading.read_states(path)
     with safe_open(path, framework="pt") as f:
         token_ids = f.get_tensor("token_ids")
-    return {"hidden_states": torch.from_numpy(array).view(DTYPES[dtype]), "token_ids": token_ids}
+    return {"hidden_states": torch.from_numpy(array).view(TORCH_DTYPES[dtype]), "token_ids": token_ids}
 
 
 def capture_facts(sample_id: str, path: str, expected: Expected) -> list[dict]:
@@ -161,7 +162,7 @@ def capture_facts(sample_id: str, path: str, expected: Expected) -> list[dict]:
     Streamed block by block of tokens: per token and capture the `measure`, and the CRC continued."""
     with open(path, "rb", buffering=0) as f:
         array, dtype, stored = reading.open_states(f, path)  # a compressed file: decoded whole
-        states = torch.from_numpy(array).view(DTYPES[dtype])
+        states = torch.from_numpy(array).view(TORCH_DTYPES[dtype])
         tokens, n, hidden = states.shape
         norms, low, crcs = torch.empty(tokens, n), torch.empty(tokens, n, dtype=_BITS[states.dtype][0]), [0] * n
         step = max(1, _BLOCK_BYTES // (n * hidden * states.element_size()))  # small, reused temporaries

@@ -16,11 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 from isal import isal_zlib
 
-from eagle3data.contracts.states import FACTS_KEY, SAFETENSORS_DTYPES
+from eagle3data.contracts.dtypes import HEADER_NAMES, STORAGE
+from eagle3data.contracts.states import FACTS_KEY
 from eagle3data.storage.compression import FRAME_KEY, FRAME_TENSOR, Compression, FrameError, decode
 
-# Each dtype's values as numpy holds them: numpy has no bfloat16, so its 16-bit patterns.
-STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 READ_CHUNK = 1 << 20  # bytes per read call: from disk, 1 MB reads run up to 2x faster than one large one
 
 
@@ -75,7 +74,7 @@ def open_states(f, path: str, out: np.ndarray | None = None,
         dtype, shape, entry = about["dtype"], tuple(about["shape"]), header[FRAME_TENSOR]
     else:
         entry = header["hidden_states"]
-        dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"])
+        dtype, shape = HEADER_NAMES[entry["dtype"]], tuple(entry["shape"])
     storage = STORAGE[dtype]
     begin, end = (8 + header_len + offset for offset in entry["data_offsets"])
     if end > size or (FRAME_TENSOR not in header and end - begin != math.prod(shape) * storage.itemsize):

@@ -20,10 +20,10 @@ import pandas as pd
 import pandera.pandas as pa
 from pandera.typing.pandas import Series
 
+from eagle3data.contracts.dtypes import ITEMSIZES
 from eagle3data.contracts.failures import BoundaryError, check  # noqa: F401  (the boundary API, used by every stage)
 
 STATE_KEYS = ("hidden_states", "token_ids")
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def _lengths(values: pd.Series) -> pd.Series:
@@ -231,7 +231,7 @@ class StatesManifest(pa.DataFrameModel):
     slot: Series[int] = pa.Field(ge=0)
     rows: Series[int] = pa.Field(ge=1)
     hidden_size: Series[int] = pa.Field(ge=1)
-    dtype: Series[str] = pa.Field(isin=list(ITEMSIZE))
+    dtype: Series[str] = pa.Field(isin=list(ITEMSIZES))
     nbytes: Series[int]
     nonfinite: Series[int]
     zero_fraction: Series[float] = pa.Field(ge=0, le=1)
@@ -259,7 +259,7 @@ class StatesManifest(pa.DataFrameModel):
 
     @pa.dataframe_check(error="nbytes == rows * hidden_size * itemsize(dtype)")
     def bytes_match_shape(cls, df: pd.DataFrame) -> pd.Series:
-        return df["nbytes"] == df["rows"] * df["hidden_size"] * df["dtype"].map(ITEMSIZE)
+        return df["nbytes"] == df["rows"] * df["hidden_size"] * df["dtype"].map(ITEMSIZES)
 
     class Config:
         strict = True

@@ -24,13 +24,12 @@ from dataclasses import dataclass
 import pandas as pd
 from safetensors import safe_open
 
+from eagle3data.contracts.dtypes import HEADER_NAMES
 from eagle3data.contracts.failures import validate
 from eagle3data.contracts.layers import Capture
 from eagle3data.contracts.schemas import BoundaryError, StatesFile, states_file_contract
 from eagle3data.storage.compression import FRAME_KEY, FRAME_TENSOR
 
-SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # the header's names
-ITEMSIZES = {"bfloat16": 2, "float16": 2, "float32": 4}  # bytes a value
 FACTS_KEY = "eagle3data.capture_facts"  # the safetensors metadata entry of `measuring.written_facts`
 SLOT_FACTS = ("rows", "hidden_size", "nbytes", "nonfinite", "zero_fraction", "zero_rows", "identical_rows",
               "mean_norm", "checksum")
@@ -59,7 +58,7 @@ def file_facts(sample_id: str, path: str, input_ids) -> dict:
             if "hidden_states" in facts["tensors"]:
                 states = f.get_slice("hidden_states")
                 facts["shape"] = list(states.get_shape())
-                facts["dtype"] = SAFETENSORS_DTYPES.get(states.get_dtype(), states.get_dtype())
+                facts["dtype"] = HEADER_NAMES.get(states.get_dtype(), states.get_dtype())
             elif FRAME_TENSOR in facts["tensors"]:  # compressed: the states the frame says it holds
                 facts["tensors"] = sorted(["hidden_states" if k == FRAME_TENSOR else k for k in facts["tensors"]])
                 about = json.loads(metadata.get(FRAME_KEY) or "{}")

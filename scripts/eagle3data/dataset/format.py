@@ -47,6 +47,7 @@ import numpy as np
 import pyarrow as pa
 from isal import isal_zlib
 
+from eagle3data.contracts.dtypes import ITEMSIZES, STORAGE
 from eagle3data.storage import compression
 
 from eagle3data.utils.logs import get_logger
@@ -75,13 +76,12 @@ CHECKSUMS = {  # the metadata's `checksums`: what the three columns hold
 }
 logger = get_logger(__name__)
 VERIFY_ENV = "EAGLE3DATA_VERIFY"  # "0": readers skip verifying the checksums (the default verifies)
-STORAGE_DTYPES = {"bfloat16": "uint16", "float32": "float32"}  # the states' dtype -> its Arrow storage
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
-    from eagle3data.contracts.measuring import DTYPES
+    from eagle3data.contracts.measuring import TORCH_DTYPES
 
-    return DTYPES[dtype]
+    return TORCH_DTYPES[dtype]
 
 
 def has_checksums(meta: dict) -> bool:
@@ -107,7 +107,7 @@ def is_compressed(meta: dict) -> bool:
 
 def features(n_captures: int, hidden_size: int, dtype: str, compressed: bool = False,
              checksums: bool = True, stored_checksum: bool = True) -> datasets.Features:
-    storage = STORAGE_DTYPES[dtype]
+    storage = STORAGE[dtype].name
     states = (datasets.Value("large_binary") if compressed else
               datasets.List(datasets.List(datasets.Value(storage), length=n_captures * hidden_size)))
     columns = {
@@ -127,7 +127,7 @@ def features(n_captures: int, hidden_size: int, dtype: str, compressed: bool = F
 
 def token_bytes(meta: dict) -> int:
     """Raw state bytes a token of this dataset holds (its captures' values in their storage dtype)."""
-    return len(meta["captures"]) * meta["hidden_size"] * np.dtype(STORAGE_DTYPES[meta["dtype"]]).itemsize
+    return len(meta["captures"]) * meta["hidden_size"] * ITEMSIZES[meta["dtype"]]
 
 
 def meta_features(meta: dict) -> datasets.Features:
@@ -138,9 +138,9 @@ def meta_features(meta: dict) -> datasets.Features:
 
 def states_array(states: np.ndarray, lengths: list[int], dtype: str) -> pa.Array:
     """A batch's states, `[sum(lengths), n, H]` with the samples one after another and held as
-    reading.STORAGE holds `dtype` (bf16 as its 16-bit patterns), as the `hidden_states` column: a view of
+    dtypes.STORAGE holds `dtype` (bf16 as its 16-bit patterns), as the `hidden_states` column: a view of
     the same memory, bf16 not widened."""
-    storage = np.dtype(STORAGE_DTYPES[dtype])
+    storage = STORAGE[dtype]
     if states.dtype != storage:
         raise TypeError(f"hidden_states of {dtype}: expected them held as {storage}, found {states.dtype}")
     rows = pa.FixedSizeListArray.from_arrays(pa.array(states.reshape(-1)), states.shape[1] * states.shape[2])
@@ -446,7 +446,7 @@ def decode_states(value, metadata: dict, verify: bool | None = None) -> torch.Te
     import torch
 
     n, hidden = len(metadata["captures"]), metadata["hidden_size"]
-    storage = np.dtype(STORAGE_DTYPES[metadata["dtype"]])
+    storage = STORAGE[metadata["dtype"]]
     row = value if isinstance(value, dict) else None
     check = has_checksums(metadata) and verifying(verify)
     if row is not None:

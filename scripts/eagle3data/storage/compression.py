@@ -137,7 +137,7 @@ def _blosc2():
     return blosc2
 
 
-STORAGE_BY_SIZE = {2: np.dtype(np.uint16), 4: np.dtype(np.float32)}  # dataset.STORAGE_DTYPES by value size
+STORAGE_BY_SIZE = {2: np.dtype(np.uint16), 4: np.dtype(np.float32)}  # contracts.dtypes.STORAGE by value size
 
 
 def decode(frame, n_captures: int, hidden_size: int, dtype: np.dtype | None = None,
