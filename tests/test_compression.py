@@ -48,14 +48,14 @@ def bf16_patterns(*shape: int, seed: int = 0) -> np.ndarray:
 
 def test_a_frame_gives_back_every_value_in_any_size_and_dtype(monkeypatch):
     states = bf16_patterns(300, 4, 576)
-    frame = Compression("zstd", threads=2).encode(states)
+    frame = Compression("zstd", 1, threads=2).encode(states)
     assert len(frame) < 0.8 * states.nbytes and frame_bytes(frame) == states.nbytes
     assert np.array_equal(decode(frame, 4, 576), states)
-    assert decode(Compression("zstd").encode(states[:0]), 4, 576).shape == (0, 4, 576)
+    assert decode(Compression("zstd", 1).encode(states[:0]), 4, 576).shape == (0, 4, 576)
     single = np.random.default_rng(0).standard_normal((50, 4, 64)).astype(np.float32)
-    assert np.array_equal(decode(Compression("lz4").encode(single), 4, 64), single)
+    assert np.array_equal(decode(Compression("lz4", 1).encode(single), 4, 64), single)
     monkeypatch.setattr("eagle3data.storage.compression.CHUNK_BYTES", 100_000)  # a frame of several chunks
-    frame = Compression("zstd").encode(states)
+    frame = Compression("zstd", 1).encode(states)
     assert np.array_equal(decode(frame, 4, 576), states)
     with pytest.raises(FrameError, match="is no \\[L, 4, 896\\] uint16"):
         decode(frame, 4, 896)
@@ -74,7 +74,7 @@ def write_as_earlier_writers(path: str) -> None:
     the states as one Blosc2 frame, its header stating the frame's CRC beside the raw values' facts."""
     stored = load_stored(path)
     values = stored["hidden_states"].view(torch.uint16).numpy()
-    frame = Compression("zstd").encode(values)
+    frame = Compression("zstd", 1).encode(values)
     about = {"shape": list(values.shape), "dtype": "bfloat16", "codec": "zstd", "level": 1,
              "checksum": frame_checksum(frame)}
     with atomic_path(path) as tmp:
@@ -348,7 +348,7 @@ def test_check_dataset_refuses_a_frame_that_is_not_whole(packed, tmp_path):
     table = pa.ipc.open_stream(path.read_bytes()).read_all()
     frames = table["hidden_states"].to_pylist()
     frames[1] = frames[1][: len(frames[1]) // 2]  # cut short
-    frames[2] = Compression("zstd").encode(bf16_patterns(TOKENS - 1, 4, 128))  # a token short
+    frames[2] = Compression("zstd", 1).encode(bf16_patterns(TOKENS - 1, 4, 128))  # a token short
     table = table.set_column(table.schema.get_field_index("hidden_states"), table.schema.field("hidden_states"),
                              pa.array(frames, pa.large_binary()))
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:

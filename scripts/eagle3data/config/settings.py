@@ -18,6 +18,8 @@ from eagle3data.model.info import ModelInfo, check_expectations, read_model_info
 from eagle3data.contracts.states import Expected
 from eagle3data.storage.store import content_key
 from eagle3data.exports.trainers import trainer_settings
+from eagle3data.utils.defaults import SCHEMA, section_defaults
+from eagle3data.utils.defaults import with_schema_defaults  # noqa: F401 (defined once, there; importable from here)
 
 RESULTS = Path("results")
 DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's generated draft config and speculators' --draft-vocab-size
@@ -132,14 +134,6 @@ def _versions() -> dict:
     return versions
 
 
-def with_schema_defaults(config: dict, schema: str | Path = "config/schema.yaml") -> dict:
-    """`config`, validated and completed with the schema's defaults, as the workflow sees it."""
-    from snakemake.utils import validate
-
-    validate(config, str(schema), set_default=True)
-    return config
-
-
-def engine_config(overrides: dict, schema: str | Path = "config/schema.yaml") -> dict:
+def engine_config(overrides: dict, schema: str | Path = SCHEMA) -> dict:
     """The `engine` section with `overrides`, completed with the schema's defaults (for the CLI tools)."""
-    return with_schema_defaults({"input": "-", "model": {"path": "-"}, "engine": dict(overrides)}, schema)["engine"]
+    return section_defaults("engine", overrides, schema)

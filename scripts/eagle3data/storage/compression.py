@@ -53,8 +53,8 @@ class Compression:
     """How the states are stored: `codec` zstd or lz4 at `level`, with Blosc2's byte shuffle, or none
     (raw values, the format before compression); `threads` Blosc2 threads a row."""
 
-    codec: str = "zstd"  # config/schema.yaml's default
-    level: int = 1
+    codec: str
+    level: int
     threads: int = 1
 
     def __post_init__(self):
@@ -63,9 +63,8 @@ class Compression:
 
     @classmethod
     def from_config(cls, storage: dict, threads: int = 1) -> Compression:
-        """From the `storage` section (its `compression` block; absent: the defaults)."""
-        block = storage.get("compression") or {}
-        return cls(block.get("codec", cls.codec), block.get("level", cls.level), threads)
+        """From the `storage` section, its `compression` block (config/schema.yaml fills in its defaults)."""
+        return cls(storage["compression"]["codec"], storage["compression"]["level"], threads)
 
     @property
     def enabled(self) -> bool:

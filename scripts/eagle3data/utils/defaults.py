@@ -1,0 +1,24 @@
+"""The config's defaults, filled in from config/schema.yaml, the one place they are written, by the
+validation that fills a run's config (Snakemake's, with `set_default`). Here, below every stage, so that
+what is built by hand (tests, benchmarks, the CLI tools) takes a run's defaults without a copy of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SCHEMA = Path(__file__).resolve().parents[3] / "config" / "schema.yaml"
+
+
+def with_schema_defaults(config: dict, schema: str | Path = SCHEMA) -> dict:
+    """`config`, validated and completed with the schema's defaults, as the workflow sees it."""
+    from snakemake.utils import validate
+
+    validate(config, str(schema), set_default=True)
+    return config
+
+
+def section_defaults(section: str, overrides: dict | None = None, schema: str | Path = SCHEMA) -> dict:
+    """The config's `section` with `overrides`, completed with the schema's defaults."""
+    config = {"input": "-", "model": {"path": "-"}, section: dict(overrides or {})}
+    return with_schema_defaults(config, schema)[section]
