@@ -3,7 +3,7 @@ touches them.
 
 Our connector (connector.py) builds on vLLM's example connector, which is no public API: its module, its
 metadata and its members (the KV cache, the writer threads, the tracked copies and writes) may change in
-any release, and only the version pin guarded them. Here they are reached in one place, and
+any release, which a version pin alone does not say. Here they are reached in one place, and
 tests/test_vllm_surface.py checks each against the installed vLLM, naming what it lacks. The convention
 that test relies on: a method here with a leading underscore overrides vLLM's own hook; a public one is
 ours, and connector.py uses only those, vLLM's public connector API and private names of its own.
