@@ -35,6 +35,7 @@ rule pack:
         summaries=expand(rules.pack_shard.output.summary, shard=SHARDS),
         skipped=expand(rules.tokenize.output.skipped, shard=SHARDS),
         quarantined=expand(rules.validate.output.quarantined, shard=SHARDS),
+        parity=expand(rules.validate.output.parity, shard=SHARDS),
     output:
         dataset=directory(f"{RUN_DIR}/dataset"),
         counts=f"{RUN_DIR}/dataset.counts.json",

@@ -1,11 +1,14 @@
-# Check every sample's states file against its tokens and the capture contract; quarantine or fail.
+# Check every sample's states file against its tokens and the capture contract; quarantine or fail;
+# then hold a few samples against the checkpoint (the parity gate, eagle3data.validate.parity).
 rule validate:
     input:
         tokenized=rules.tokenize.output.tokenized,
         manifest=rules.extract.output.manifest,
+        stats=rules.extract.output.stats,
     output:
         states=f"{RUN_DIR}/validated/shard-{{shard}}.parquet",
         quarantined=f"{RUN_DIR}/validated/shard-{{shard}}.quarantined.parquet",
+        parity=f"{RUN_DIR}/validated/shard-{{shard}}.parity.json",
     log:
         f"{RUN_DIR}/logs/validate/shard-{{shard}}.log",
     benchmark:
@@ -19,6 +22,7 @@ rule validate:
         sequence=config["sequence"],
         policy=config["validation"]["policy"],
         read_states=config["validation"]["read_states"],
+        parity=config["parity"],
         quarantine_dir=f"{RUN_DIR}/quarantine/shard-{{shard}}",
     message:
         "Validating shard {wildcards.shard} (policy {params.policy})"

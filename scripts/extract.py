@@ -37,6 +37,7 @@ if __name__ == "__main__":
             input_shape=shape,
             storage=dict(sm.config["storage"]),
             fail_samples=tuple(sm.config["testing"]["fail_samples"]),
+            parity_samples=sm.config["parity"]["samples_per_shard"] if sm.config["parity"]["enabled"] else 0,
             gpus=sm.resources.gpu,
         )
     )

@@ -31,7 +31,7 @@ def batches(store: Path, sizes: list[int], seed: int) -> list[tuple[list[list[in
 def generated(engine: engine_pool.RemoteEngine, batch: tuple[list, list[str]]) -> None:
     """One batch's replies: one per prompt, naming the file asked for it, which lands (the connector
     writes a request's file in a step after the one that finished it)."""
-    replies = engine.generate(*batch)
+    replies, _ = engine.generate(*batch)
     assert [reply["hidden_states_path"] for reply in replies] == batch[1]
     deadline = time.monotonic() + 60
     while not all(Path(path).exists() for path in batch[1]):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from eagle3data.dataset.index import IndexJob, index
 from eagle3data.utils.logs import redirect_output_to
 from eagle3data.dataset.pack import ShardPackJob
@@ -36,7 +39,28 @@ def validate(sm) -> None:
             restore_from=restoring(settings.store_dir, sm.config["storage"]),
             samples_dir=str(settings.samples_dir),
             read_states=sm.params.read_states,
+            parity=_parity_job(sm, settings),
+            parity_out=sm.output.parity,
         )
+    )
+
+
+def _parity_job(sm, settings: Settings):
+    """The validate job's parity gate (validate/parity.py), its samples left to fill; None when off."""
+    if not sm.params.parity["enabled"]:
+        return None
+    from eagle3data.validate.parity import ParityJob
+
+    stats = json.loads(Path(sm.input.stats).read_text())
+    return ParityJob(
+        shard=sm.wildcards.shard,
+        model_path=sm.params.model["path"],
+        trust_remote_code=sm.params.model["trust_remote_code"],
+        captures=settings.expected.captures,
+        num_hidden_layers=settings.model.num_hidden_layers,
+        settings=dict(sm.params.parity),
+        samples=[],
+        log_probs=stats.get("parity_log_probs", {}),
     )
 
 
@@ -75,7 +99,13 @@ def pack(sm) -> None:
             out_dir=sm.output.dataset,
             counts_out=sm.output.counts,
             conversations_in=sm.params.conversations_in,
-            metadata=settings.dataset_metadata(),
+            metadata={**settings.dataset_metadata(), "parity": _parity_summary(sm.input.parity)},
             store_dir=str(settings.store_dir),
         )
     )
+
+
+def _parity_summary(verdicts: list[str]) -> dict:
+    from eagle3data.validate.parity import summarize
+
+    return summarize([json.loads(Path(p).read_text()) for p in verdicts])

@@ -78,7 +78,7 @@ def index(job: IndexJob) -> dict:
     nbytes = sum(s["pack_bytes"] for s in summaries)
     counts_doc = {**counts, "pack_seconds": sum(s["pack_seconds"] for s in summaries), "pack_bytes": nbytes,
                   "states_bytes": sum(s.get("states_bytes", 0) for s in summaries),
-                  "index_seconds": time.perf_counter() - began}
+                  "index_seconds": time.perf_counter() - began, "parity": job.metadata.get("parity")}
     atomic_write_text(job.counts_out, json.dumps(counts_doc, indent=2))
     logger.info("dataset %s: %d samples (%.1f MB) in %d packed shards", out, counts["packed"], nbytes / 1e6, n)
     return counts_doc

@@ -145,13 +145,16 @@ class RemoteEngine:
         (server.py: it stops soon after its run is gone); the server's count of shards served."""
         return self._request(("shard", shard, os.environ.get(KILL_ENGINE_ENV), run_owner()), 0)[1]
 
-    def generate(self, token_ids: list[list[int]], paths: list[str]) -> list:
-        """kv_transfer_params of each prompt; what the engine logged meanwhile goes to this job's log."""
-        reply = self._request(("generate", token_ids, paths), len(paths))
+    def generate(self, token_ids: list[list[int]], paths: list[str],
+                 log_probs: list[bool] | None = None) -> tuple[list, list]:
+        """(kv_transfer_params of each prompt, the engine's next-token log-probabilities of the prompts
+        `log_probs` flags, else None); what the engine logged meanwhile goes to this job's log."""
+        wanted = log_probs or [False] * len(paths)
+        reply = self._request(("generate", token_ids, paths, wanted), len(paths))
         if reply[0] != "ok":
             raise EngineError(f"engine {self.entry.id} failed a batch of {len(paths)} samples:\n{reply[1]}")
         sys.stderr.write(reply[2])
-        return reply[1]
+        return reply[1], reply[3]
 
     def check_prompt_fits(self, longest_prompt: int) -> None:
         """Refuse work the engine's scheduler would never schedule (engine.check_schedulable)."""

@@ -114,12 +114,14 @@ class Server:
                             self.shards)
                 conn.send(("ok", self.shards))
             elif op == "generate":
-                conn.send(self._generate(message[1], message[2]))
+                conn.send(self._generate(message[1], message[2], message[3]))
             else:
                 conn.send(("error", f"unknown request {op!r}"))
 
-    def _generate(self, token_ids: list[list[int]], paths: list[str]) -> tuple:
-        """("ok", kv_transfer_params per prompt, this request's lines of the server log) or ("error", ...)."""
+    def _generate(self, token_ids: list[list[int]], paths: list[str], log_probs: list[bool]) -> tuple:
+        """("ok", kv_transfer_params per prompt, this request's lines of the server log, the engine's
+        log-probability of each next prompt token for the prompts `log_probs` flags, else None) or
+        ("error", ...). The log-probabilities are the parity gate's witness (validate/parity.py)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -128,13 +130,16 @@ class Server:
         kill_engine_point(f"engine:generate:{self.shard}", self.kill_spec)
         try:
             prompts = [TokensPrompt(prompt_token_ids=ids) for ids in token_ids]
-            params = [SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"hidden_states_path": p}})
-                      for p in paths]
+            params = [SamplingParams(max_tokens=1, prompt_logprobs=0 if wanted else None,
+                                     extra_args={"kv_transfer_params": {"hidden_states_path": p}})
+                      for p, wanted in zip(paths, log_probs)]
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
             replies = [output.kv_transfer_params for output in outputs]
+            next_token = [prompt_log_probs(output, ids) if wanted else None
+                          for output, ids, wanted in zip(outputs, token_ids, log_probs)]
         except Exception:
             return ("error", traceback.format_exc())
-        return ("ok", replies, read_log_since(self.log_path, offset))
+        return ("ok", replies, read_log_since(self.log_path, offset), next_token)
 
     def _stop_when_idle(self) -> None:
         """Stop after keep_alive_s without a client (ORPHAN_KEEP_ALIVE_S, if shorter, once its run is
@@ -178,6 +183,11 @@ class Server:
             Path(self.entry.draining).unlink(missing_ok=True)
         del self.llm  # vLLM shuts its engine core and workers down
         logger.info("engine %s stopped after %d shards", self.entry.id, self.shards)
+
+
+def prompt_log_probs(output, token_ids: list[int]) -> list[float]:
+    """The engine's log-probability of each prompt token after the first, given the tokens before it."""
+    return [float(position[token].logprob) for position, token in zip(output.prompt_logprobs[1:], token_ids[1:])]
 
 
 def read_log_since(path: Path, offset: int) -> str:

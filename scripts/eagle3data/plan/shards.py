@@ -19,3 +19,13 @@ def plan(conversations: int, shard_size: int) -> list[tuple[int, int]]:
 def conversations_of(rows: tuple[tuple[int, int], ...], shards: list[int]) -> int:
     """Conversations of the shards numbered `shards` in the plan `rows`."""
     return sum(rows[i][1] - rows[i][0] for i in shards if 0 <= i < len(rows))
+
+
+def spread(items: list, count: int) -> list:
+    """`count` of `items` evenly spread over them, first and last included (all of them if fewer): the
+    samples of a shard the parity gate checks, from different batches of its extract job."""
+    if count >= len(items):
+        return list(items)
+    if count == 1:
+        return [items[0]]
+    return [items[round(i * (len(items) - 1) / (count - 1))] for i in range(count)]

@@ -56,6 +56,22 @@ def engines_per_node(shard_stats: pd.DataFrame) -> pd.DataFrame:
     }).rename_axis("node").reset_index()
 
 
+def parity_rows(parity: dict) -> list[tuple[str, str]]:
+    """The parity gate's verdict over the run (validate/parity.py summarize), as report rows."""
+    rows = [("parity gate", f"{parity['status']}" + (f": {parity['samples']} samples of {parity['shards']} shards"
+                                                     if "samples" in parity else ""))]
+    if final := parity.get("final_capture"):
+        rows.append(("parity: final capture vs the engine's next-token log-probabilities",
+                     f"worst median {final['worst_median']}, worst token {final['worst_max']} (allowed "
+                     f"{final['tolerance']['median']}, {final['tolerance']['max']})"))
+    if reference := parity.get("reference"):
+        rows.append(("parity: captures vs transformers (first layers)",
+                     f"{', '.join(reference['captures'])} through {reference['layers']} layers: worst median "
+                     f"{reference['worst_median']} (allowed {reference['tolerance']})"))
+    rows += [(f"parity: not run: {why}", f"{n} shards") for why, n in parity.get("not_run", {}).items()]
+    return rows
+
+
 def write_report(counts: str, tokenized: list[str], states: list[str], stats: list[str], out) -> None:
     counts_doc = json.loads(open(counts).read())
     tokens = pd.concat([pd.read_parquet(p, columns=SAMPLE_FACTS) for p in tokenized], ignore_index=True)
@@ -97,6 +113,7 @@ def write_report(counts: str, tokenized: list[str], states: list[str], stats: li
         *content_rows(tokens),
         ("samples truncated to max_seq_len", int(tokens["truncated"].sum())),
         ("samples computed / reused", f"{shard_stats['computed'].sum()} / {shard_stats['reused'].sum()}"),
+        *parity_rows(counts_doc.get("parity") or {"status": "off"}),
     ]
     table = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     throughput = shard_stats.to_html(index=False, float_format=lambda x: f"{x:.1f}")

@@ -12,14 +12,19 @@ header saying how many samples failed and which files to look at. Then `validati
 - quarantine: the failing samples are set aside (quarantine.py) and recorded as skipped, the rest is
   written for pack.
 
+Then the parity gate (parity.py) holds a few of the samples left against the checkpoint; when it fails,
+nothing is written under either policy.
+
 A broken table (a tokenized sample breaking its contract; an extract manifest missing a sample, listing
 one twice or listing a foreign one) fails under either policy: no file can be set aside to repair it.
 """
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import pandas as pd
 from tqdm import tqdm
@@ -40,7 +45,10 @@ from eagle3data.contracts.schemas import (
     tokenized_contract,
 )
 from eagle3data.contracts.states import Expected, file_facts, header_facts
-from eagle3data.storage.store import atomic_path
+from eagle3data.storage.store import atomic_path, atomic_write_text
+
+if TYPE_CHECKING:
+    from eagle3data.validate.parity import ParityJob
 
 logger = get_logger(__name__)
 
@@ -60,6 +68,8 @@ class ValidateJob:
     restore_from: str = ""  # packed.restoring: the store whose dropped files come back first
     samples_dir: str = ""  # where they come back (Settings.samples_dir); "": restore_from
     read_states: bool = False  # measure every file's bytes even where its header holds the written facts
+    parity: ParityJob | None = None  # the parity gate (parity.py), its samples filled in here; None: off
+    parity_out: str = ""  # its verdict
 
     def __post_init__(self):
         self.samples_dir = self.samples_dir or self.restore_from
@@ -124,6 +134,17 @@ def _measured(samples: list[tuple[str, str]], expected: Expected, threads: int) 
     return rows
 
 
+def _parity(job: ValidateJob, tokenized: pd.DataFrame, manifest: pd.DataFrame, paths: dict) -> dict:
+    """The parity gate's verdict over the shard's validated samples (raises when it fails)."""
+    if job.parity is None:
+        return {"status": "off", "ok": None}
+    from eagle3data.validate.parity import gate  # torch and the checkpoint's tensors: only for the gate
+
+    validated = set(manifest["sample_id"])
+    samples = [(s, paths[s]) for s in tokenized["sample_id"] if s in validated]
+    return gate(replace(job.parity, samples=samples))
+
+
 def run(job: ValidateJob) -> pd.DataFrame:
     tokenized, extracted, table = _tables(job)
     found = []
@@ -150,10 +171,13 @@ def run(job: ValidateJob) -> pd.DataFrame:
             f"validation of {job.tokenized} (policy quarantine): quarantined in {job.quarantine_dir}, "
             "packed as skipped, re-extracted on the next run", found, len(tokenized), files))
     manifest = manifest[~manifest["sample_id"].isin(failed)]
+    verdict = _parity(job, tokenized, manifest, paths)
     with atomic_path(job.states_out) as tmp:
         manifest.to_parquet(tmp, index=False)
     with atomic_path(job.quarantined_out) as tmp:
         quarantined.to_parquet(tmp, index=False)
+    if job.parity_out:
+        atomic_write_text(job.parity_out, json.dumps(verdict, indent=1))
     logger.info("validated %d samples of %s: %d packable, %d quarantined",
                 len(tokenized), job.tokenized, manifest["sample_id"].nunique(), len(quarantined))
     return manifest
