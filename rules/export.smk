@@ -1,4 +1,5 @@
-# Trainer-ready copies of the packed dataset (speculators 0.9, SpecForge), built when config `export` asks.
+# Trainer exports of the packed dataset (speculators 0.9, SpecForge), built when config `export` asks; by
+# default they hold no states (the trainers read the packed dataset in place), with `states: files` a copy.
 rule export_speculators:
     input:
         dataset=rules.pack.output.dataset,

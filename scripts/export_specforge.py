@@ -12,4 +12,5 @@ export(
     vocab_mapping=sm.input.mapping,
     layer_ids=sm.params.layer_ids,
     states=sm.params.states,
+    storage=sm.config["storage"],
 )

@@ -14,4 +14,5 @@ export(
     layer_ids=sm.params.layer_ids,
     store_dir=Settings(dict(sm.config)).samples_dir,
     states=sm.params.states,
+    storage=sm.config["storage"],
 )

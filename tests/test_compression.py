@@ -458,8 +458,8 @@ def test_a_flipped_byte_in_an_export_file_fails_its_reader_naming_row_and_captur
     from eagle3data.exports.vocab import write_vocab
 
     write_vocab(*write_vocab_args)
-    export_speculators(dataset, d / "speculators", d / "token_freq.pt", d / "vocab_mapping.pt")
-    export_specforge(dataset, d / "specforge", packed["model"], d / "vocab_mapping.pt")
+    export_speculators(dataset, d / "speculators", d / "token_freq.pt", d / "vocab_mapping.pt", states="files")
+    export_specforge(dataset, d / "specforge", packed["model"], d / "vocab_mapping.pt", states="files")
     rows = transfer(d / "speculators")
     for i in range(SAMPLES):
         assert torch.equal(rows.get_cached(i)["hidden_states"], open_dataset(dataset)[i]["hidden_states"])

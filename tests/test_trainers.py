@@ -4,7 +4,8 @@ eagle3data.bench.specforge_train), SpecForge's offline reader reads its export t
 dataset holds them, and both libraries accept the pipeline's draft vocabulary.
 
 The trainers are test-only dependencies (envs/setup.sh installs them with --no-deps, keeping this torch).
-All checks run on the session's demo run; one copy of it is brought up to date with the exports enabled.
+All checks run on the session's demo run; one copy of it is brought up to date with both exports enabled
+at their defaults (the trainers read the packed states in place), another with both writing files.
 """
 
 from __future__ import annotations
@@ -24,21 +25,34 @@ from safetensors.torch import load_file
 
 from eagle3data import open_dataset
 from eagle3data.bench import muon_cpu
+from eagle3data.bench.stages import footprint
 from eagle3data.storage.store import sample_path
 from eagle3data.exports.trainers import SPECULATORS, ExportRefused, layout
 
 RUN = "results/demo"
 MODEL = "resources/demo-model"
 BOTH = {"speculators": {"enabled": True}, "specforge": {"enabled": True}}
+FILES = {name: {"enabled": True, "states": "files"} for name in BOTH}
+
+
+def exported_copy(demo_run: Path, tmp_path_factory, name: str, exports: dict) -> tuple[Path, str]:
+    """A copy of the demo run, re-run with `exports`: (its directory, Snakemake's output)."""
+    run = tmp_path_factory.mktemp(name) / "run"
+    shutil.copytree(demo_run, run, symlinks=True, ignore=shutil.ignore_patterns(".snakemake"))
+    proc = run_snakemake(run, config=demo_config(export=exports))
+    return run, proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
 def exported(demo_run, tmp_path_factory) -> tuple[Path, str]:
-    """A copy of the demo run, re-run with both exports enabled: (its directory, Snakemake's output)."""
-    run = tmp_path_factory.mktemp("exported") / "run"
-    shutil.copytree(demo_run, run, symlinks=True, ignore=shutil.ignore_patterns(".snakemake"))
-    proc = run_snakemake(run, config=demo_config(export=BOTH))
-    return run, proc.stdout + proc.stderr
+    """Both exports enabled at their defaults: the trainers read the packed dataset in place."""
+    return exported_copy(demo_run, tmp_path_factory, "exported", BOTH)
+
+
+@pytest.fixture(scope="module")
+def files_exported(demo_run, tmp_path_factory) -> Path:
+    """Both exports enabled with `states: files`, as the trainers' own readers load them."""
+    return exported_copy(demo_run, tmp_path_factory, "files-exported", FILES)[0]
 
 
 def test_vocab_is_counted_over_trainable_tokens_and_agrees_with_both_trainers(demo_run):
@@ -78,11 +92,32 @@ def test_exports_are_rules_outside_the_default_target_until_enabled(demo_run, ex
         manifest = json.loads((run / RUN / "export" / name / "eagle3_export.json").read_text())
         assert (manifest["samples"], manifest["layer_ids"], manifest["aux_captures"]) == (
             20, ids, ["layer2_input", "layer4_input", "layer5_input"])
+        assert manifest["hidden_states_backend"] == "eagle3data"  # the default: read in place
 
 
-def test_the_speculators_export_links_the_stores_files_instead_of_copying_them(exported):
-    """Its default slots are the dataset's own, so each hs_{i}.safetensors is the store's file of row i."""
+def test_both_exports_at_their_defaults_cost_at_most_a_tenth_of_the_packed_dataset(exported, files_exported):
+    """Each file either export holds that nothing else in the run holds (a hard link is free), against
+    the packed dataset's bytes on disk; `states: files` for comparison (the states again, decompressed
+    where the dataset is compressed). Each export's log states what it costs and what the other would."""
     run, _ = exported
+    by_default, with_files = footprint(run / RUN), footprint(files_exported / RUN)
+    assert by_default["dataset_bytes"] == with_files["dataset_bytes"] > 0
+    ratio = (by_default["dataset_bytes"] + by_default["exports_own_bytes"]) / by_default["dataset_bytes"]
+    assert ratio <= 1.1, by_default
+    # speculators' files are the store's (linked), SpecForge's are the states again, its final one normed.
+    assert with_files["exports_own_bytes"] > 0.9 * with_files["dataset_bytes"], with_files
+    for name in ("speculators", "specforge"):
+        log = (run / RUN / "logs" / f"export_{name}.log").read_text()
+        planned = re.search(rf"the {name} export \(states: reader\) adds about [\d.]+ MiB to the run "
+                            r"\(([\d.]+)x the packed dataset's [\d.]+ MiB\); states: files would add about", log)
+        added = re.search(rf"the {name} export added [\d.]+ MiB \(([\d.]+)x the packed dataset\)", log)
+        assert planned and added, log[-2000:]
+        assert float(added[1]) <= float(planned[1]) + 0.005, (planned[0], added[0])  # the plan is an upper bound
+
+
+def test_the_speculators_export_links_the_stores_files_instead_of_copying_them(files_exported):
+    """Its default slots are the dataset's own, so each hs_{i}.safetensors is the store's file of row i."""
+    run = files_exported
     ds = open_dataset(run / RUN / "dataset")
     exported_files = run / RUN / "export" / "speculators" / "hidden_states"
     stores = list((run / RUN / "states").iterdir())
@@ -94,8 +129,10 @@ def test_the_speculators_export_links_the_stores_files_instead_of_copying_them(e
 
 
 @pytest.mark.slow
-def test_speculators_trains_on_its_export_on_cpu(exported, tmp_path):
-    run, _ = exported
+def test_speculators_trains_on_its_export_on_cpu(files_exported, tmp_path):
+    """export.speculators.states: files, read by speculators' own file backend (the default export trains
+    through the eagle3data backend below)."""
+    run = files_exported
     data = run / RUN / "export" / "speculators"
     metrics = tmp_path / "metrics.jsonl"
     proc = subprocess.run(
@@ -147,24 +184,19 @@ def test_specforge_trains_on_its_export_on_cpu(exported, tmp_path):
     assert torch.equal(weights["d2t"], mapping["d2t"]) and torch.equal(weights["t2d"], mapping["t2d"])
 
 
-def test_the_reader_export_holds_no_states_and_speculators_reads_the_packed_ones(exported, tmp_path):
-    """export.speculators.states: reader. speculators' own ArrowDataset, given the eagle3data backend,
-    yields exactly the samples it yields from the files export, and its CLI trains through the backend."""
+def test_the_reader_export_holds_no_states_and_speculators_reads_the_packed_ones(exported, files_exported,
+                                                                                 tmp_path):
+    """export.speculators.states: reader (the default). speculators' own ArrowDataset, given the eagle3data
+    backend, yields exactly the samples its own file backend yields from the files export, and its CLI
+    trains one epoch through that backend."""
     from hs_connectors.transfer import FileTransfer
     from speculators.train.data import ArrowDataset
 
     from eagle3data.exports.speculators_reader import PackedStatesTransfer
 
     run, _ = exported
-    reader, files = tmp_path / "reader", run / RUN / "export" / "speculators"
-    proc = subprocess.run(
-        [sys.executable, "-m", "eagle3data.exports.speculators", f"{RUN}/dataset", str(reader), "--token-freq",
-         f"{RUN}/token_freq.pt", "--vocab-mapping", f"{RUN}/vocab_mapping.pt", "--states", "reader"],
-        capture_output=True, text=True, timeout=300, cwd=run)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    reader, files = run / RUN / "export" / "speculators", files_exported / RUN / "export" / "speculators"
     assert not (reader / "hidden_states").exists()
-    dataset_bytes = sum(p.stat().st_size for p in (run / RUN / "dataset").glob("*.arrow"))
-    assert sum(p.stat().st_size for p in reader.rglob("*") if p.is_file()) < 0.1 * dataset_bytes
     options = {"max_len": 512, "on_missing": "raise", "hidden_states_dtype": torch.float32}
     expected = ArrowDataset(datapath=files, transfer=FileTransfer(files / "hidden_states"), **options)
     found = ArrowDataset(datapath=reader, transfer=PackedStatesTransfer(reader), **options)
@@ -186,7 +218,8 @@ def test_the_reader_export_holds_no_states_and_speculators_reads_the_packed_ones
     assert train and [t["error_records"] for t in train] == [0.0] * len(train)
 
 
-def test_specforge_offline_reader_reads_exactly_the_packed_tensors(exported):
+def test_specforge_offline_reader_reads_exactly_the_packed_tensors(files_exported):
+    """export.specforge.states: files, read by SpecForge's own loader."""
     from specforge.algorithms.eagle3.data import build_offline_collator, build_offline_normalizer
     from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
     from specforge.runtime.data_plane.feature_store import LocalFeatureStore
@@ -194,7 +227,7 @@ def test_specforge_offline_reader_reads_exactly_the_packed_tensors(exported):
     from specforge.training.vocab_mapping import count_effective_feature_tokens
     from transformers import AutoModelForCausalLM
 
-    run, _ = exported
+    run = files_exported
     export = run / RUN / "export" / "specforge"
     rows = list(open_dataset(run / RUN / "dataset"))
     features = str(export / "hidden_states")
@@ -224,10 +257,10 @@ def test_specforge_offline_reader_reads_exactly_the_packed_tensors(exported):
                        torch.load(run / RUN / "vocab_mapping.pt")["d2t"])
 
 
-def test_the_specforge_reader_export_holds_pointers_and_specforge_reads_the_packed_rows(exported, tmp_path):
-    """export.specforge.states: reader. Through eagle3data.exports.specforge_reader, SpecForge's own offline reader,
-    feature store and loader yield from the pointer export exactly the batches they yield from the files
-    export, and SpecForge counts the same tokens for its draft vocabulary."""
+def test_the_specforge_reader_export_holds_pointers_and_specforge_reads_the_packed_rows(exported, files_exported):
+    """export.specforge.states: reader (the default). Through eagle3data.exports.specforge_reader, SpecForge's
+    own offline reader, feature store and loader yield from the pointer export exactly the batches they
+    yield from the files export, and SpecForge counts the same tokens for its draft vocabulary."""
     from specforge.algorithms.eagle3.data import build_offline_collator, build_offline_normalizer
     from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
     from specforge.runtime.data_plane.feature_store import LocalFeatureStore
@@ -237,14 +270,7 @@ def test_the_specforge_reader_export_holds_pointers_and_specforge_reads_the_pack
     from eagle3data.exports.specforge_reader import install
 
     run, _ = exported
-    reader, files = tmp_path / "reader", run / RUN / "export" / "specforge"
-    proc = subprocess.run(
-        [sys.executable, "-m", "eagle3data.exports.specforge", f"{RUN}/dataset", str(reader), "--model", MODEL,
-         "--vocab-mapping", f"{RUN}/vocab_mapping.pt", "--states", "reader"],
-        capture_output=True, text=True, timeout=300, cwd=run)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    dataset_bytes = sum(p.stat().st_size for p in (run / RUN / "dataset").glob("*.arrow"))
-    assert sum(p.stat().st_size for p in reader.rglob("*") if p.is_file()) < 0.1 * dataset_bytes
+    reader, files = run / RUN / "export" / "specforge", files_exported / RUN / "export" / "specforge"
     install()
 
     def batches(export: Path) -> dict:
@@ -267,7 +293,7 @@ def export_cli(run: Path, trainer: str, out: Path, *layer_ids: int) -> subproces
     extra = (["--token-freq", f"{RUN}/token_freq.pt"] if trainer == "speculators" else ["--model", MODEL])
     return subprocess.run(
         [sys.executable, "-m", f"eagle3data.export_{trainer}", f"{RUN}/dataset", str(out), *extra,
-         "--vocab-mapping", f"{RUN}/vocab_mapping.pt", "--layer-ids", *map(str, layer_ids)],
+         "--vocab-mapping", f"{RUN}/vocab_mapping.pt", "--layer-ids", *map(str, layer_ids), "--states", "files"],
         capture_output=True, text=True, timeout=300, cwd=run)
 
 

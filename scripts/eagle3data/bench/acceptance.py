@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         if run_arm == "a" or run_arm in arms:  # every arm validates on rows of (a)'s run
             conversations = write_jsonl(rows, work / run_arm / "conversations.jsonl")
             if run_arm == "a" and "e" in arms:
-                extra = {"export": {"speculators": {"enabled": True}, "specforge": {"enabled": True}}}
+                extra = {"export": {"speculators": {"enabled": True, "states": "files"},
+                                    "specforge": {"enabled": True}}}
             config = pipeline_config(f"arm-{run_arm}", conversations, model, recipe.draft_vocab, extra)
             exports[run_arm] = run_pipeline(work / run_arm / "pipeline", config, work / run_arm / "snakemake.log")
             check_order(exports[run_arm], model, [p.text for p in train_prompts + heldout][:len(rows)])

@@ -42,7 +42,8 @@ def pipeline_config(run: str, conversations: Path, model: Path, draft_vocab: int
         "draft_vocab_size": draft_vocab,
         "engine": {"device": "cpu", "max_num_batched_tokens": 4096, "max_num_seqs": 64, "batch_samples": 256,
                    "cpu_kv_cache_gib": 1},
-        "export": {"speculators": {"enabled": True}},
+        # The arms' training directories link the export's per-row files: states files, not the reader.
+        "export": {"speculators": {"enabled": True, "states": "files"}},
         **(extra or {}),
     }
 

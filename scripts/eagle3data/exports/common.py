@@ -6,6 +6,14 @@ never overwrites: an existing destination is refused. `eagle3_export.json` recor
 which dataset, and the trainer settings that match it (layer ids in the trainer's convention, final-state
 norm, hidden size, dtype, draft vocabulary size).
 
+What an export costs on disk: by default (`states: reader`) the trainer reads the packed dataset in
+place and the export holds only its small files (speculators' table, SpecForge's pointers, the
+vocabulary, the manifest); `states: files` writes the states again, decompressed, as the trainer's own
+reader loads them. Before writing, an export logs both costs (`plan.disk.describe_export`) and checks the
+free space for its own (`storage.check_free_space`, `storage.reserve_gib`); after, the bytes it took.
+The run's `token_freq.pt` and `vocab_mapping.pt` are hard links where the filesystem allows (rule vocab
+replaces them, never changes them in place), copies otherwise.
+
 Every export carries checksums its readers verify. The manifest lists the CRC32 of each file beside it
 that is not a per-row states file (`files_crc32`: speculators' table, token counts, vocabulary, final
 norm); each per-row file states its own (speculators.py, specforge.py); a reader export's rows are the
@@ -17,19 +25,25 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from eagle3data.dataset.format import IntegrityError, PackedDataset, open_dataset, verifying
+from eagle3data.dataset.format import IntegrityError, PackedDataset, open_dataset, torch_dtype, verifying
+from eagle3data.plan import disk
 from eagle3data.storage.store import atomic_path
+from eagle3data.utils.logs import get_logger
 from eagle3data.exports.trainers import ExportRefused, Layout
 
 MANIFEST_FILE = "eagle3_export.json"
-# How an export holds the states: written out as the trainer reads them, or read from the packed dataset
-# by this project's reader for that trainer (speculators_reader.py, specforge_reader.py: they import the
-# trainers' code; the exports do not).
-STATES = ("files", "reader")
+logger = get_logger(__name__)
+# How an export holds the states: read from the packed dataset by this project's reader for that trainer
+# (speculators_reader.py, specforge_reader.py: they import the trainers' code; the exports do not), the
+# default, or written out as the trainer's own reader loads them.
+STATES = ("reader", "files")
+DEFAULT_STATES = "reader"
 # speculators' --hidden-states-backend that reads the packed states in place; also the manifest's
 # `hidden_states_backend` of every reader export.
 READER_BACKEND = "eagle3data"
@@ -149,3 +163,55 @@ def write_manifest(directory: Path, ds: PackedDataset, lay: Layout, draft_vocab_
     manifest["manifest_crc32"] = manifest_crc(manifest)
     (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def link_or_copy(source: str | Path, target: Path) -> None:
+    """`target` a hard link to `source`, or a copy where the filesystem cannot link."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+def export_shape(ds: PackedDataset, n_states: int, small_files_bytes: int = 0) -> disk.ExportShape:
+    """The packed dataset's rows and tokens, and the states a trainer reads per token."""
+    import pyarrow.compute as pc
+
+    tokens = pc.sum(ds.hf.data.table.column("seq_len")).as_py() or 0
+    return disk.ExportShape(samples=len(ds), tokens=int(tokens), states_per_token=n_states,
+                            hidden_size=ds.metadata["hidden_size"],
+                            itemsize=torch_dtype(ds.metadata["dtype"]).itemsize, small_files_bytes=small_files_bytes)
+
+
+def own_bytes(*roots: Path) -> int:
+    """Bytes on disk under `roots` (allocated blocks), each file once however many names it has."""
+    seen, total = set(), 0
+    for root in roots:
+        for path in Path(root).rglob("*"):
+            st = path.lstat()
+            if path.is_file() and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def plan_disk(ds: PackedDataset, trainer: str, states: str, shape: disk.ExportShape, out: Path,
+              storage: dict | None, linked: bool = False) -> int:
+    """Log what the export costs (and what the other `states` would), and refuse (or warn, as
+    `storage.check_free_space` says) where the destination's disk has less free than that and
+    `storage.reserve_gib` (no `storage`: the cost alone, refused); return the dataset's bytes."""
+    storage = {"reserve_gib": 0, "check_free_space": True, **(storage or {})}
+    dataset_bytes = own_bytes(ds.path)
+    logger.info("%s", disk.describe_export(trainer, states, shape, dataset_bytes, linked))
+    disk.check_free_space(Path(out).resolve().parent, disk.export_bytes(trainer, states, shape, linked),
+                          storage["reserve_gib"], storage["check_free_space"], f"the {trainer} export")
+    return dataset_bytes
+
+
+def report_bytes(trainer: str, out: Path, dataset_bytes: int) -> int:
+    """Log and return the bytes the export added to the run: its files that have no other name (a hard
+    link to the store's or the run's file adds nothing)."""
+    added = sum(st.st_blocks * 512 for p in Path(out).rglob("*") if p.is_file() and (st := p.lstat()).st_nlink == 1)
+    logger.info("disk: the %s export added %s (%.3fx the packed dataset)", trainer, disk.human_bytes(added),
+                added / max(dataset_bytes, 1))
+    return added

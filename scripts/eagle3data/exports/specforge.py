@@ -11,12 +11,14 @@ aux ids minus one; ids the dataset did not capture are refused (`trainers.py`).
 Out: `OUT/hidden_states/data_<i:08d>.ckpt` (packed order), `OUT/vocab_mapping.pt` (the pipeline's draft
 vocabulary, for `model.vocab_mapping_path`) and `OUT/eagle3_export.json`. Memory is one sample at a time.
 `python -m eagle3data.exports.specforge DATASET OUT --model CHECKPOINT --vocab-mapping M [--layer-ids 1 3 4]
-[--states files|reader]`.
+[--states reader|files]`.
 
-`--states reader` (config `export.specforge.states: reader`) writes in each `data_<i>.ckpt` only a pointer
-to row i (`{"eagle3data_row": i}`, ~1 KB) and the final norm's weight once (`final_norm.pt`): trained
+`--states reader` (the default) writes in each `data_<i>.ckpt` only a pointer to row i (`{"eagle3data_row":
+i}`, under 1 KB, a filesystem block on disk) and the final norm's weight once (`final_norm.pt`): trained
 through `python -m eagle3data.exports.specforge_reader`, SpecForge gets from each pointer the tensors above,
 computed from the packed dataset by the same function (`features`) as a files export writes them.
+`--states files` (config `export.specforge.states: files`) writes the tensors themselves, for SpecForge's
+own loader: a decompressed copy of the states.
 
 Checksums: a files export's feature file holds, beside SpecForge's keys, `eagle3data_crc32` (its tensors'
 CRC32s, `aux_hidden_state` per capture; SpecForge reads only its own keys); a pointer names its row's
@@ -26,7 +28,6 @@ sample id too. The reader checks both (specforge_reader.py).
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
@@ -35,11 +36,13 @@ import torch
 from tqdm import tqdm
 
 from eagle3data.dataset.format import open_dataset
-from eagle3data.exports.common import READER_BACKEND, STATES, check_states, staging_dir, write_manifest
+from eagle3data.exports.common import (DEFAULT_STATES, READER_BACKEND, STATES, check_states, export_shape,
+                                       link_or_copy, plan_disk, report_bytes, staging_dir, write_manifest)
 from eagle3data.exports.final_norm import FinalNorm, read_final_norm
 from eagle3data.utils.logs import get_logger
 from eagle3data.exports.trainers import SPECFORGE, ExportRefused, layout
 from eagle3data.exports.vocab import read_mapping
+from eagle3data.plan.disk import FILE_BLOCK_BYTES
 
 logger = get_logger(__name__)
 
@@ -99,14 +102,17 @@ def features(row: dict, aux_slots: list[int], final_slot: int, norm: FinalNorm) 
 
 
 def export(dataset_path: str | Path, out: str | Path, model_path: str | Path, vocab_mapping: str | Path,
-           layer_ids: list[int] | None = None, states: str = "files") -> dict:
+           layer_ids: list[int] | None = None, states: str = DEFAULT_STATES, storage: dict | None = None) -> dict:
     """Write the SpecForge layout of the packed dataset at `dataset_path` to `out`; return its manifest.
-    `states`: "files" (the tensors in each feature file) or "reader" (pointers: specforge_reader.py)."""
+    `states`: "reader" (pointers: specforge_reader.py) or "files" (the tensors in each feature file).
+    `storage`: the run's storage settings, for the free-space check (common.plan_disk)."""
     check_states(states)
     ds = open_dataset(Path(dataset_path).resolve())  # the manifest names it for the reader, from anywhere
     lay = layout(SPECFORGE, ds.metadata, layer_ids)
     norm = read_final_norm(model_path, ds.metadata)
     d2t, _ = read_mapping(vocab_mapping)
+    small = norm.weight.numel() * 4 + 2 * FILE_BLOCK_BYTES  # final_norm.pt and the manifest (the mapping: a link)
+    dataset_bytes = plan_disk(ds, SPECFORGE.name, states, export_shape(ds, len(lay.aux_slots) + 1, small), out, storage)
     with staging_dir(out) as tmp:
         (tmp / "hidden_states").mkdir()
         for i, row in enumerate(tqdm(ds, total=len(ds), desc="export specforge", unit="sample")):
@@ -116,7 +122,7 @@ def export(dataset_path: str | Path, out: str | Path, model_path: str | Path, vo
                 content = features(row, lay.aux_slots, lay.final_slot, norm)
                 content[CRC_KEY] = feature_crcs(content, i, row["sample_id"])
             torch.save(content, tmp / "hidden_states" / f"data_{i:08d}.ckpt")
-        shutil.copyfile(vocab_mapping, tmp / "vocab_mapping.pt")
+        link_or_copy(vocab_mapping, tmp / "vocab_mapping.pt")
         backend = {}
         if states == "reader":
             torch.save({"weight": norm.weight, "eps": norm.eps, "source": norm.source}, tmp / FINAL_NORM_FILE)
@@ -128,6 +134,7 @@ def export(dataset_path: str | Path, out: str | Path, model_path: str | Path, vo
     logger.info("exported %d samples for SpecForge to %s (aux_hidden_state_layer_ids %s)%s", len(ds), out,
                 lay.layer_ids, " as pointers to the packed rows: train through python -m "
                 "eagle3data.exports.specforge_reader" if states == "reader" else "")
+    report_bytes(SPECFORGE.name, Path(out), dataset_bytes)
     return manifest
 
 
@@ -140,9 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layer-ids", type=int, nargs="+", default=None,
                         help="aux_hidden_state_layer_ids the draft will be trained with (SpecForge ids: output "
                              "of layer k); default: every capture but the final state, in slot order")
-    parser.add_argument("--states", choices=STATES, default="files",
-                        help="files: the tensors in each feature file; reader: pointers to the packed rows, "
-                             "read through python -m eagle3data.exports.specforge_reader")
+    parser.add_argument("--states", choices=STATES, default=DEFAULT_STATES,
+                        help="reader (default): pointers to the packed rows, read through python -m "
+                             "eagle3data.exports.specforge_reader; files: the tensors in each feature file, a "
+                             "copy of the states")
     args = parser.parse_args(argv)
     try:
         export(args.dataset, args.out, args.model, args.vocab_mapping, args.layer_ids, args.states)

@@ -11,13 +11,14 @@ The layout its `ArrowDataset` reads from `--data-path D`:
 
 Rows keep the packed order (the trainer validates on the last 10 %). Memory is one packed row at a time
 plus the Arrow writer's batch. `python -m eagle3data.exports.speculators DATASET OUT --token-freq F
---vocab-mapping M [--layer-ids 2 4 5] [--store DIR] [--states files|reader]`.
+--vocab-mapping M [--layer-ids 2 4 5] [--store DIR] [--states reader|files]`.
 
-`--states reader` writes no `hidden_states/`: the trainer, run with `--hidden-states-backend eagle3data`
-(`speculators_reader.py`), reads each row's states from the packed dataset the manifest names, and the
-export costs a few MB whatever the dataset's size.
+`--states reader` (the default) writes no `hidden_states/`: the trainer, run with `--hidden-states-backend
+eagle3data` (`speculators_reader.py`), reads each row's states from the packed dataset the manifest names,
+and the export costs its table (5 bytes a token) and the vocabulary files. `--states files` (config
+`export.speculators.states: files`) writes `hidden_states/` for speculators' own `file` backend.
 
-With the store given (the rule gives it) and the trainer's slots the dataset's own (every capture, in
+With `--states files`, the store given (the rule gives it) and the trainer's slots the dataset's own (every capture, in
 slot order: the default layer ids), a sample's `hs_{i}.safetensors` is a hard link to its file in the
 store, which has exactly these two tensors: the export then costs no state bytes on disk. A store file
 is linked only when its tensors' names, shapes and dtypes are the ones written here, its token ids are
@@ -49,11 +50,13 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from eagle3data.dataset.format import open_dataset
-from eagle3data.exports.common import READER_BACKEND, STATES, check_states, staging_dir, write_manifest
+from eagle3data.exports.common import (DEFAULT_STATES, READER_BACKEND, STATES, check_states, export_shape,
+                                       link_or_copy, plan_disk, report_bytes, staging_dir, write_manifest)
 from eagle3data.utils.logs import get_logger
 from eagle3data.storage.store import sample_path
 from eagle3data.exports.trainers import SPECULATORS, ExportRefused, layout
 from eagle3data.exports.vocab import read_mapping
+from eagle3data.plan.disk import FILE_BLOCK_BYTES
 
 logger = get_logger(__name__)
 CRC_KEY = "eagle3data.crc32"  # a written hs_{i}.safetensors' metadata: `states_crcs`
@@ -118,9 +121,11 @@ def write_states_file(row: dict, slots: list[int], target: Path, stored: Path | 
 
 
 def export(dataset_path: str | Path, out: str | Path, token_freq: str | Path, vocab_mapping: str | Path,
-           layer_ids: list[int] | None = None, store_dir: str | Path | None = None, states: str = "files") -> dict:
+           layer_ids: list[int] | None = None, store_dir: str | Path | None = None, states: str = DEFAULT_STATES,
+           storage: dict | None = None) -> dict:
     """Write the speculators layout of the packed dataset at `dataset_path` to `out`; return its manifest.
-    `states`: "files" (hs_{i}.safetensors, linked or written) or "reader" (none: speculators_reader.py)."""
+    `states`: "reader" (no states: speculators_reader.py) or "files" (hs_{i}.safetensors, linked or
+    written). `storage`: the run's storage settings, for the free-space check (common.plan_disk)."""
     check_states(states)
     ds = open_dataset(Path(dataset_path).resolve())  # the manifest names it for the reader, from anywhere
     lay = layout(SPECULATORS, ds.metadata, layer_ids)
@@ -129,6 +134,10 @@ def export(dataset_path: str | Path, out: str | Path, token_freq: str | Path, vo
     packed_at = Path(dataset_path, "eagle3_metadata.json").stat().st_mtime
     linked = 0
     d2t, t2d = read_mapping(vocab_mapping)
+    may_link = bool(store_dir) and own_slots and len(ds) > 0 and sample_path(store_dir, ds[0]["sample_id"]).is_file()
+    # d2t/t2d as large as the mapping's tensors; the table's two JSON files and the manifest (token_freq: a link)
+    small = Path(vocab_mapping).stat().st_size + 5 * FILE_BLOCK_BYTES
+    dataset_bytes = plan_disk(ds, SPECULATORS.name, states, export_shape(ds, len(slots), small), out, storage, may_link)
     with staging_dir(out) as tmp:
         if states == "files":
             (tmp / "hidden_states").mkdir()
@@ -145,7 +154,7 @@ def export(dataset_path: str | Path, out: str | Path, token_freq: str | Path, vo
             writer.finalize()
         datasets.Dataset.from_file(str(columns)).with_format("torch").save_to_disk(str(tmp))
         shutil.rmtree(columns.parent)
-        shutil.copyfile(token_freq, tmp / "token_freq.pt")
+        link_or_copy(token_freq, tmp / "token_freq.pt")
         np.save(tmp / f"d2t-{d2t.numel()}.npy", d2t.numpy())
         np.save(tmp / f"t2d-{d2t.numel()}.npy", t2d.numpy())
         # The reader's slots of the packed states, in the trainer's order: aux states, then the final one.
@@ -158,6 +167,7 @@ def export(dataset_path: str | Path, out: str | Path, token_freq: str | Path, vo
     else:
         logger.info("exported %d samples for speculators to %s (--target-layer-ids %s); %d of them hard links "
                     "to the store's files, the rest copies", len(ds), out, " ".join(map(str, lay.layer_ids)), linked)
+    report_bytes(SPECULATORS.name, Path(out), dataset_bytes)
     return manifest
 
 
@@ -172,9 +182,10 @@ def main(argv: list[str] | None = None) -> None:
                              "every capture but the final state, in slot order")
     parser.add_argument("--store", help="the run's store (results/<run>/states/<key>): link its files where "
                                             "they hold exactly what would be written")
-    parser.add_argument("--states", choices=STATES, default="files",
-                        help="files: hidden_states/hs_{i}.safetensors; reader: none, the trainer reads the packed "
-                             "dataset through eagle3data.exports.speculators_reader")
+    parser.add_argument("--states", choices=STATES, default=DEFAULT_STATES,
+                        help="reader (default): no states, the trainer reads the packed dataset through "
+                             "eagle3data.exports.speculators_reader; files: hidden_states/hs_{i}.safetensors, a "
+                             "copy of the states (hard links to the store's files where it holds them)")
     args = parser.parse_args(argv)
     try:
         export(args.dataset, args.out, args.token_freq, args.vocab_mapping, args.layer_ids, args.store, args.states)

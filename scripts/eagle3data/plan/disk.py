@@ -126,3 +126,60 @@ def _gib(n: float) -> str:
 
 def _mib(n: float) -> str:
     return f"{n / 1024**2:.2f} MiB"
+
+
+# What a trainer export (eagle3data.exports) writes beyond the packed dataset. An export whose states are
+# read in place (`states: reader`, the default) holds the trainer's small files only; one with `states:
+# files` holds the states again, decompressed, as the trainer's own reader loads them.
+FILE_BLOCK_BYTES = 4096  # a small file takes a whole filesystem block
+TABLE_BYTES_PER_TOKEN = 5  # speculators' table: input_ids int32, loss_mask int8
+FEATURE_IDS_BYTES_PER_TOKEN = 16  # a SpecForge feature file's input_ids and loss_mask, int64 each
+FEATURE_FILE_BYTES = 2048  # a SpecForge feature file beside its tensors: torch's zip entries, the CRC32s
+
+
+@dataclass(frozen=True)
+class ExportShape:
+    """What an export's size follows from: the packed dataset's rows and tokens, and the states the
+    trainer reads per token (its aux states and the final one)."""
+
+    samples: int
+    tokens: int
+    states_per_token: int  # n_aux + 1
+    hidden_size: int
+    itemsize: int
+    small_files_bytes: int = 0  # the vocabulary files and the manifest, as the export writes them
+
+
+def export_bytes(trainer: str, states: str, shape: ExportShape, linked: bool = False) -> int:
+    """Bytes on disk an export of `shape` adds to the run (at most, within a block per file): `trainer`
+    "speculators" or "specforge", `states` "reader" or "files"; `linked`: a speculators files export whose
+    `hs_{i}.safetensors` are hard links to the store's files (no state bytes of its own)."""
+    state_bytes = shape.tokens * shape.states_per_token * shape.hidden_size * shape.itemsize
+    if trainer == "speculators":
+        own = _blocks(shape.tokens * TABLE_BYTES_PER_TOKEN) + shape.small_files_bytes
+        if states == "files" and not linked:
+            own += state_bytes + shape.tokens * TOKEN_ID_BYTES + shape.samples * FILE_BLOCK_BYTES
+        return own
+    if trainer == "specforge":
+        if states == "reader":  # a pointer file per row
+            return shape.samples * FILE_BLOCK_BYTES + shape.small_files_bytes
+        return (state_bytes + shape.tokens * FEATURE_IDS_BYTES_PER_TOKEN
+                + shape.samples * (FEATURE_FILE_BYTES + FILE_BLOCK_BYTES) + shape.small_files_bytes)
+    raise ValueError(f"export_bytes: expected trainer speculators or specforge, found {trainer!r}")
+
+
+def describe_export(trainer: str, states: str, shape: ExportShape, dataset_bytes: int, linked: bool = False) -> str:
+    """One line of the disk plan: what this export costs, and what the other `states` would."""
+    other = "files" if states == "reader" else "reader"
+    cost, alternative = export_bytes(trainer, states, shape, linked), export_bytes(trainer, other, shape, linked)
+    return (f"disk: the {trainer} export (states: {states}) adds about {human_bytes(cost)} to the run "
+            f"({cost / max(dataset_bytes, 1):.3f}x the packed dataset's {human_bytes(dataset_bytes)}); "
+            f"states: {other} would add about {human_bytes(alternative)} ({alternative / max(dataset_bytes, 1):.3f}x)")
+
+
+def _blocks(n: int) -> int:
+    return -(-n // FILE_BLOCK_BYTES) * FILE_BLOCK_BYTES
+
+
+def human_bytes(n: float) -> str:
+    return _gib(n) if n >= GIB / 10 else _mib(n)
