@@ -13,9 +13,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3data.utils.defaults import section_defaults
 from eagle3data.utils.logs import get_logger
 from eagle3data.plan.shards import conversations_of
-from eagle3data.contracts.states import ITEMSIZES, Expected
+from eagle3data.contracts.dtypes import ITEMSIZES
+from eagle3data.contracts.states import Expected
 
 logger = get_logger(__name__)
 
@@ -90,10 +92,10 @@ def finished_conversations(manifest: str | Path, plan: tuple[tuple[int, int], ..
     return conversations_of(plan, [int(number) for number in others if number.isdigit()])
 
 
-# `storage` settings for callers that build jobs by hand (tests, benchmarks); the workflow's come from
-# config/schema.yaml, whose defaults these are.
-STORAGE_DEFAULTS = {"check_free_space": True, "reserve_gib": 1, "drop_packed_states": True, "transport_dir": "",
-                    "compression": {"codec": "zstd", "level": 1, "threads": 4}}
+def storage_defaults() -> dict:
+    """The `storage` settings for callers that build jobs by hand (tests, benchmarks): config/schema.yaml's
+    defaults, as the workflow's config holds them."""
+    return section_defaults("storage")
 
 
 def check_free_space(directory: str | Path, needed_bytes: int, reserve_gib: float, enforce: bool,
