@@ -141,7 +141,7 @@ def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
     job = ExtractJob(str(work / "shard.parquet"), str(work / "manifest.parquet"), str(work / "stats.json"),
                      str(work / "store"), args.model, False, Expected(captures, info.hidden_size, args.dtype),
                      args.tokens, engine,
-                     storage=dict(disk.STORAGE_DEFAULTS))
+                     storage=disk.storage_defaults())
     with StoreSampler([sample_path(work / "store", sample_id) for sample_id in prompts]) as sampler:
         stats = run_alone(job)
     files = list((work / "store").rglob("*.safetensors"))

@@ -20,6 +20,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from eagle3data.plan import disk
+from eagle3data.plan.shards import spread
 from eagle3data.engine import pool as engine_pool
 from eagle3data.capture import failed_samples
 from eagle3data.engine import start as engine_mod
@@ -46,10 +47,11 @@ class ExtractJob:
     max_seq_len: int
     engine: dict
     input_shape: disk.InputShape | None = None  # None: this shard is the whole input
-    storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
+    storage: dict = field(default_factory=disk.storage_defaults)
     fail_samples: tuple[str, ...] = ()  # testing.fail_samples, a test-only hook (utils/testing.py)
     gpus: int = 0  # the job's `gpu` resource: what an engine server it starts claims
     samples_dir: str = ""  # where each sample's file goes (Settings.samples_dir); "": the store
+    parity_samples: int = 0  # computed samples whose next-token log-probabilities the engine returns
 
     def __post_init__(self):
         self.samples_dir = self.samples_dir or self.store_dir
@@ -128,9 +130,10 @@ def run(job: ExtractJob) -> dict:
     make_durable([Path(path) for _, _, path, _ in manifest])  # reused files too: a killed run wrote them
     steps["durable"] += time.perf_counter() - began
     files_after_generate, engine = 0, {"engine_start_seconds": 0.0}
+    log_probs: dict[str, list[float]] = {}
     try:
         if todo:
-            files_after_generate, engine = _compute(job, todo, failed, steps)
+            files_after_generate, engine = _compute(job, todo, failed, steps, log_probs)
     finally:  # what failed is on record even when the job dies after it
         if failed:
             failed_samples.write(job.manifest, job.tokenized, failed, len(shard), len(manifest))
@@ -153,13 +156,14 @@ def run(job: ExtractJob) -> dict:
         "files_to_come_after_generate": files_after_generate,
         "prepare_seconds": prepare_seconds,
         **engine,
+        "parity_log_probs": log_probs,
     }
     df = pd.DataFrame(manifest, columns=["sample_id", "num_tokens", "path", "status"])
     df = check(ExtractManifest, df, f"extract manifest for {job.tokenized}")
     with atomic_path(job.manifest) as tmp:
         df.to_parquet(tmp, index=False)
     atomic_write_text(job.stats, json.dumps(stats, indent=2))
-    logger.info("shard %s done: %s", job.tokenized, stats)
+    logger.info("shard %s done: %s", job.tokenized, {k: v for k, v in stats.items() if k != "parity_log_probs"})
     return stats
 
 
@@ -188,7 +192,8 @@ def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
                                   job.storage["check_free_space"], "the transport (storage.transport_dir)")
 
 
-def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[str, float]) -> tuple[int, dict]:
+def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[str, float],
+             log_probs: dict[str, list[float]]) -> tuple[int, dict]:
     """Compute `todo` on an engine of the node (engine/pool.py: a free one with these settings, else one
     this job starts); each sample that fails goes to `failed` (id -> reason), file removed. Adds to
     `steps` the seconds of generate() and of checking its replies, of waiting for the shard's last files
@@ -196,7 +201,8 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
     last generate() returns, so the next shard's prefill overlaps this one's last files and fsyncs.
     Returns how many files were still to come when the last generate() returned (how far the writes
     trailed the engine) and the engine's stats (engine_stats; the wait for the engine is kept out of
-    `steps`: tokens/s is the running engine's)."""
+    `steps`: tokens/s is the running engine's). The engine's next-token log-probabilities of
+    `job.parity_samples` samples spread over `todo` go to `log_probs` (the parity gate's witness)."""
     starting = time.perf_counter()
     engine = engine_pool.acquire(
         engine_mod.engine_kwargs(
@@ -211,7 +217,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
         shards_served = engine.begin_shard(job.shard_name)
         waited, ready_at = time.perf_counter() - starting, time.time()
         kill_point("extract:engine_ready")
-        to_come, whole, syncing = _run_batches(job, engine, todo, failed, steps)
+        to_come, whole, syncing = _run_batches(job, engine, todo, failed, steps, log_probs)
     finally:
         engine.close()  # its files have landed (or the job failed): nothing of this job is in flight
     stats = engine_stats(engine, waited, ready_at, shards_served)
@@ -238,12 +244,13 @@ def engine_stats(engine: engine_pool.RemoteEngine, waited: float, ready_at: floa
 
 
 def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, failed: dict[str, str],
-                 steps: dict[str, float]) -> tuple[int, list, object]:
+                 steps: dict[str, float], log_probs: dict[str, list[float]]) -> tuple[int, list, object]:
     """generate() batch after batch, each as soon as the last returned, replies checked; the watcher
     (watcher.py) checks the files as they land. Returns the files still to come after the last
     generate(), and for make_durable the whole files and the sync of those found whole early
     (`store.start_syncing`)."""
     batch = job.engine["batch_samples"]
+    witnessed = {r.sample_id for r in spread(todo, job.parity_samples)}
     progress = tqdm(total=len(todo), desc="extract", unit="sample", mininterval=5)
     with StatesWatcher(job.expected, job.fail_samples) as watcher:
         for start in range(0, len(todo), batch):
@@ -255,10 +262,11 @@ def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, 
             # Absolute: the engine may have been started from another job's directory (the paths
             # recorded stay relative to the run's, which can move); the key above holds the directory.
             asked = [os.path.abspath(p) for p in paths]
-            replies = engine.generate(prompts, asked)
+            replies, next_token = engine.generate(prompts, asked, [r.sample_id in witnessed for r in rows])
             generated = time.perf_counter()
             if len(replies) != len(rows):
                 raise BoundaryError(f"engine returned {len(replies)} outputs for {len(rows)} prompts")
+            log_probs.update({r.sample_id: lp for r, lp in zip(rows, next_token) if lp is not None})
             for row, path, absolute, reply in zip(rows, paths, asked, replies):
                 try:
                     check_reply(row.sample_id, reply, absolute)

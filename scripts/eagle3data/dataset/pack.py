@@ -85,7 +85,7 @@ class PackJob:
     conversations_in: int
     metadata: dict
     batch_size: int = 32
-    storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
+    storage: dict = field(default_factory=disk.storage_defaults)
     threads: int = 1
 
 
@@ -103,7 +103,7 @@ class ShardPackJob:
     dataset: str = ""  # the dataset indexing the shards (with its counts file): outdated once a shard repacks
     dataset_counts: str = ""
     batch_size: int = 32
-    storage: dict = field(default_factory=lambda: dict(disk.STORAGE_DEFAULTS))
+    storage: dict = field(default_factory=disk.storage_defaults)
     store_dir: str = ""  # the run's store: under drop_packed_states files restored and dropped (packed.py)
     samples_dir: str = ""  # where those files are (Settings.samples_dir); "": the store
     threads: int = 1  # the rule's: samples read, checked and compressed at once
