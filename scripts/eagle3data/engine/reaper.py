@@ -12,9 +12,9 @@ process group does not reach it) that ignores SIGINT, SIGTERM and SIGHUP. Every 
 list the watched process's descendants that share the watched process's session (pid and start time,
 so a reused pid is never mistaken for one of them); once the watched process is gone, whatever ended it
 (SIGTERM, SIGINT, SIGKILL, a crash, or a normal exit that left a straggler), it sends SIGTERM to those of
-its list still alive and still in that session (vLLM's engine core then shuts its workers down), SIGKILLs
-what is left after GRACE_S, logs each step to the job's log (it inherits the job's stderr) and exits. Descendants in a session
-of their own are not its business: the engine server (engine/server.py) starts its own session because
+its list still alive and still in the job's session (vLLM's engine core then shuts its workers down),
+SIGKILLs what is left after GRACE_S, logs each step to the job's log (it inherits the job's stderr) and
+exits. Descendants in a session of their own are not its business: the engine server (engine/server.py) starts its own session because
 it outlives the job that started it by design, and guards its own engine.
 
 `guard()` also logs SIGINT, SIGTERM and SIGHUP in the job itself before letting the signal end it, so the
