@@ -32,7 +32,7 @@ DEMO_MODEL = "resources/demo-model"
 DEMO_CAPTURES = "2:input,4:input,5:input,7:output"
 NAMES = {"1": "extract", "7": "steady", "7d": "to_dataset", "7w": "whole_run", "7t": "tail", "2": "validate", "3": "pack",
          "3m": "pack_memory", "4": "tokenize", "5": "planning", "6": "storage", "12": "reader", "12v": "verify", "9": "load", "10": "footprint_peak",
-         "11": "footprint_after"}  # 3m is pack's memory; 7 a run's steady part, 7d to its dataset, 7w whole, 7t tail
+         "11": "footprint_after", "13": "parity"}  # 3m is pack's memory; 7 a run's steady part, 7d to its dataset, 7w whole, 7t tail
 ORDER = tuple(NAMES)
 
 
@@ -271,6 +271,14 @@ def load_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, 
     return r, [judged("9", "load", r["ratios"][0], "<= 1.5", describe(r))]
 
 
+def parity_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
+    """Figure 13: the parity gate's cost in a production run (bench.parity_cost)."""
+    from eagle3data.bench.parity_cost import describe, measure
+
+    r = measure(work / "parity")
+    return r, [judged("13", "parity", r["ratios_worst_first"][0], "<= 0.02", describe(r))]
+
+
 def commit() -> str:
     """The checkout's commit (the measurement index's commit column), `-dirty` when files differ from it;
     "" outside a git checkout (the GPU kit's copy)."""
@@ -291,6 +299,7 @@ GROUPS = {  # name: (figures it yields, function(args, scale, work, measured so 
     "extract": (("1",), extract_figures),
     "end_to_end": (("7", "7d", "7w", "7t", "10", "11"), end_to_end_figures),
     "load": (("9",), load_figures),
+    "parity": (("13",), parity_figures),
 }
 
 
