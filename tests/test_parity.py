@@ -16,7 +16,7 @@ from conftest import demo_config, run_snakemake, with_defaults
 from eagle3data.contracts.layers import eagle3_captures, parse_captures
 from eagle3data.contracts.measuring import facts_header, load_stored, save_states
 from eagle3data.model.info import read_model_info
-from eagle3data.model.weights import NORM_NAMES, final_norm_eps, read_tensor
+from eagle3data.model.weights import read_final_norm
 from eagle3data.validate.parity import ParityFailure, ParityJob, gate
 
 
@@ -62,9 +62,7 @@ def shifted(states, ids, other):  # token ids shifted by one against the states
 
 def post_norm(states, ids, other, model=None):  # the final state taken after the final norm
     out = states.clone()
-    _, weight = read_tensor(model, NORM_NAMES)
-    x = out[:, -1].float()
-    out[:, -1] = (weight.float() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + final_norm_eps(model))).to(out.dtype)
+    out[:, -1] = read_final_norm(model)(out[:, -1])
     return out, ids
 
 

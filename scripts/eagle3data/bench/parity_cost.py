@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from eagle3data.bench import projection
 from eagle3data.bench.files import drop_from_page_cache
-from eagle3data.model.weights import NORM_NAMES, output_head, read_tensor
+from eagle3data.model.weights import NORM_NAMES, FinalNorm, output_head, read_tensor, tensor_files
 from eagle3data.validate.parity import POSITIONS, next_token_log_probs
 
 KIMI_HIDDEN, KIMI_VOCAB, KIMI_ACTIVE_PARAMS = 7168, 163_840, 32e9
@@ -45,9 +45,9 @@ def gate_seconds(model_dir: Path) -> float:
     states = (torch.randn(SAMPLES_PER_SHARD * POSITIONS, KIMI_HIDDEN) * 4).to(torch.bfloat16)
     next_ids = torch.randint(0, KIMI_VOCAB, (len(states),)).tolist()
     began = time.perf_counter()
-    _, norm = read_tensor(model_dir, NORM_NAMES)
-    _, head = output_head(model_dir)
-    next_token_log_probs(states, next_ids, norm.float(), 1e-6, head)
+    files = tensor_files(model_dir)
+    next_token_log_probs(states, next_ids, FinalNorm(read_tensor(model_dir, NORM_NAMES, files)[1].float(), 1e-6,
+                                                     "random"), output_head(model_dir, files)[1])
     return time.perf_counter() - began
 
 

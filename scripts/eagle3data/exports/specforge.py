@@ -38,7 +38,8 @@ from tqdm import tqdm
 from eagle3data.dataset.format import open_dataset
 from eagle3data.exports.common import (DEFAULT_STATES, READER_BACKEND, STATES, check_states, export_shape,
                                        link_or_copy, plan_disk, report_bytes, staging_dir, write_manifest)
-from eagle3data.exports.final_norm import FinalNorm, read_final_norm
+from eagle3data.exports.final_norm import read_final_norm
+from eagle3data.model.weights import FinalNorm
 from eagle3data.utils.logs import get_logger
 from eagle3data.exports.trainers import SPECFORGE, ExportRefused, layout
 from eagle3data.exports.vocab import read_mapping

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,14 +65,41 @@ def output_head(model_dir: str | Path, files: dict[str, Path] | None = None) -> 
     return read_tensor(model_dir, HEAD_NAMES if found else EMBEDDING_NAMES, files)
 
 
-def final_norm_eps(model_dir: str | Path) -> float | None:
-    """The final norm's epsilon where the model ends in a plain RMSNorm, y = w * x / sqrt(mean(x^2) + eps);
-    None for other families (Gemma's 1 + w, LayerNorm), which are refused, not approximated."""
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
+@dataclass(frozen=True)
+class FinalNorm:
+    """A plain RMSNorm, y = w * x / sqrt(mean(x^2) + eps), computed in float32 in transformers' order of
+    operations (its RMSNorm run in float32 gives the same bits)."""
+
+    weight: torch.Tensor  # [H] float32
+    eps: float
+    source: str  # file and tensor name, for messages and metadata
+
+    def __call__(self, pre_norm: torch.Tensor) -> torch.Tensor:
+        """The post-norm state of `pre_norm [..., H]`, in `pre_norm`'s dtype."""
+        x = pre_norm.float()
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return (self.weight * (x * torch.rsqrt(variance + self.eps))).to(pre_norm.dtype)
+
+
+class NotRMSNorm(ValueError):
+    pass
+
+
+def read_final_norm(model_dir: str | Path, files: dict[str, Path] | None = None) -> FinalNorm:
+    """The checkpoint's final norm (one tensor read by name). Families whose final norm is something else
+    (Gemma's 1 + w, LayerNorm) raise NotRMSNorm: refused, not approximated."""
+    model_dir = Path(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
     text = raw.get("text_config", raw)
-    if text.get("model_type", raw.get("model_type")) not in RMSNORM_MODEL_TYPES or "rms_norm_eps" not in text:
-        return None
-    return float(text["rms_norm_eps"])
+    model_type = text.get("model_type", raw.get("model_type"))
+    if model_type not in RMSNORM_MODEL_TYPES:
+        raise NotRMSNorm(f"model_type {model_type!r} at {model_dir} is not known to end in a plain RMSNorm "
+                         f"(known: {sorted(RMSNORM_MODEL_TYPES)})")
+    if text.get("rms_norm_eps") is None:
+        raise NotRMSNorm(f"expected rms_norm_eps in {model_dir / 'config.json'}, found none")
+    files = tensor_files(model_dir) if files is None else files
+    name, weight = read_tensor(model_dir, NORM_NAMES, files)
+    return FinalNorm(weight.float(), float(text["rms_norm_eps"]), f"{files[name].name}:{name}")
 
 
 def float32_bytes(model_dir: str | Path, layers: int, files: dict[str, Path] | None = None) -> int:

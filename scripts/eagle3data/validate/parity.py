@@ -97,11 +97,11 @@ def _final_capture(job: ParityJob, witnesses: dict[str, dict]) -> dict:
     if missing:
         return {"status": "not run", "why": "the engine returned no log-probabilities for these samples: "
                 "their states were reused from an earlier extract job"}
-    eps = weights.final_norm_eps(job.model_path)
-    if eps is None:
-        return {"status": "not run", "why": "the model's final norm is not known to be a plain RMSNorm"}
     files = weights.tensor_files(job.model_path)
-    norm_name, norm = weights.read_tensor(job.model_path, weights.NORM_NAMES, files)
+    try:
+        norm = weights.read_final_norm(job.model_path, files)
+    except weights.NotRMSNorm as exc:
+        return {"status": "not run", "why": f"the final norm: {exc}"}
     head_name, head = weights.output_head(job.model_path, files)
     tolerance = job.settings["max_log_prob_error"]
     rows = []
@@ -114,22 +114,21 @@ def _final_capture(job: ParityJob, witnesses: dict[str, dict]) -> dict:
             continue
         positions = torch.tensor(spread(range(len(ids) - 1), POSITIONS))
         ours = next_token_log_probs(stored["hidden_states"][positions, final[0]],
-                                    [ids[i + 1] for i in positions.tolist()], norm.float(), eps, head)
+                                    [ids[i + 1] for i in positions.tolist()], norm, head)
         error = (ours - engine[positions]).abs()
         median, worst = float(error.median()), float(error.max())
         rows.append({"sample": sample_id, "capture": job.captures[final[0]].name, "tokens": len(ids),
                      "positions": len(positions), "median": round(median, 5), "max": round(worst, 5),
                      "max_at_token": int(positions[error.argmax()]) + 1,
                      "ok": median <= tolerance["median"] and worst <= tolerance["max"]})
-    return {"status": "run", "tolerance": dict(tolerance), "norm": norm_name, "head": head_name, "rows": rows}
+    return {"status": "run", "tolerance": dict(tolerance), "norm": norm.source, "head": head_name, "rows": rows}
 
 
-def next_token_log_probs(final: torch.Tensor, next_ids: list[int], norm: torch.Tensor, eps: float,
+def next_token_log_probs(final: torch.Tensor, next_ids: list[int], norm: weights.FinalNorm,
                          head: torch.Tensor) -> torch.Tensor:
     """log p(next_ids[i] | the tokens before it), from the pre-norm final states `final [n, H]` of the
-    positions before them, through the final RMSNorm and the output head, in float32."""
-    x = final.float()
-    x = norm * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    positions before them, through the final norm and the output head, in float32."""
+    x = norm(final.float())
     logits = torch.cat([x @ rows.float().T for rows in head.split(HEAD_ROWS)], dim=-1)
     return logits.log_softmax(-1).gather(1, torch.tensor(next_ids)[:, None])[:, 0]
 
