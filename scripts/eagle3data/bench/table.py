@@ -257,10 +257,16 @@ def benchmarks_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+# The README names what a figure measures without its number (benchmark vocabulary) or arm letters.
+PLAIN = {"8a": "acceptance length, a draft trained on this pipeline's data",
+         "8c": "acceptance length, the same with the target's own (regenerated) answers",
+         "8d": "acceptance length, this pipeline's data shifted one token (a negative control)"}
+
+
 def headline_table(rows: list[Row]) -> str:
     cur = current(rows)
-    lines = ["| figure | what it measures | worst run | goal | hardware | JSON |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| what it measures | worst run | goal | hardware | JSON |",
+             "| --- | --- | --- | --- | --- |"]
     for figure, hw in HEADLINE:
         match = [k for k in cur if k == (hw, figure)]
         if not match:
@@ -270,7 +276,7 @@ def headline_table(rows: list[Row]) -> str:
         worst = worst_first(figure, [r.value for r in rs])[0]
         runs = f" ({len(rs)} runs)" if len(rs) > 1 else ""
         file = sorted({r.file for r in rs})[0]
-        lines.append(f"| {figure} | {what} | {fmt(worst)}{runs} | {goal or '-'} | {match[0][0]} | "
+        lines.append(f"| {PLAIN.get(figure, what)} | {fmt(worst)}{runs} | {goal or '-'} | {match[0][0]} | "
                      f"{link(file, 'docs/measurements/')} |")
     return "\n".join(lines)
 
@@ -301,6 +307,11 @@ class RunRate:
     dataset_tps: float  # the engine ready to the packed dataset
     whole_seconds: float  # the command to its end
     before_ready_seconds: float  # the command to the first engine ready: engine load, tokenize, job starts
+
+    @property
+    def fixed_seconds(self) -> float:
+        """The whole run's seconds beyond its tokens at the rate to the packed dataset."""
+        return self.whole_seconds - self.tokens / self.dataset_tps
 
     @property
     def hours_per_million(self) -> float:
@@ -343,6 +354,10 @@ def measured_rate(device: str, model: dict, tensor_parallel: int) -> RunRate | N
     return min(fits, key=lambda r: r.dataset_tps, default=None)
 
 
+def _rate(hardware: str) -> RunRate:
+    return next(r for r in run_rates(read_index()) if r.hardware == hardware)
+
+
 def _values(cur: dict, hw: str, figure: str) -> list[float]:
     return worst_first(figure, [r.value for r in cur[(hw, figure)]])
 
@@ -374,6 +389,12 @@ QUOTES = {
                      lambda cur: f"{_values(cur, '1x H100, dummy weights, zstd', '7d')[0]:.2f}"),
     "whole-h100": ("figure 7w, the worst run on the H100 with zstd: the whole run / bare prefill",
                    lambda cur: f"{_values(cur, '1x H100, dummy weights, zstd', '7w')[0]:.2f}"),
+    "dataset-tps-h100": ("the worst H100 zstd run's tokens/s from the engine ready to the packed dataset",
+                         lambda cur: f"{_rate('1x H100, dummy weights, zstd').dataset_tps:,.0f}"),
+    "million-h100": ("the same run's seconds for a million tokens at that rate",
+                     lambda cur: f"{_rate('1x H100, dummy weights, zstd').hours_per_million * 3600:.0f}"),
+    "fixed-h100": ("the same run's seconds beyond its tokens at that rate: engine load, tokenize, the end",
+                   lambda cur: f"{_rate('1x H100, dummy weights, zstd').fixed_seconds:.0f}"),
 }
 QUOTE = re.compile(r"(<!-- q:([\w-]+) -->)(.*?)(<!-- /q -->)")
 
