@@ -149,3 +149,92 @@ def test_literal_rows_in_the_docs_are_accepted(page):
     for line in rows:
         conversation = normalize(json.loads(line))
         assert any(m["role"] == "assistant" for m in conversation.messages), line
+
+
+def _walk() -> str:
+    text = (REPO / "docs" / "training.md").read_text()
+    return text.split("## From the dataset to a served draft", 1)[1].split("\n## ", 1)[0]
+
+
+def _command(walk: str, module: str) -> list[str]:
+    block = next(b for b in re.findall(r"```[a-z]*\n(.*?)```", walk, re.S) if f"-m {module} " in b)
+    return block.replace("\\\n", " ").split()
+
+
+def test_the_walk_to_a_served_draft_uses_the_acceptance_benchmarks_commands():
+    """docs/training.md's walk runs what `eagle3data.bench.acceptance` runs (tests/test_acceptance.py runs
+    that): its training flags are the quick recipe's, its speculative config acceptance_serve's, and the
+    modules it names are the ones the benchmark starts."""
+    import inspect
+
+    from eagle3data.bench import acceptance, acceptance_data, acceptance_serve, acceptance_train
+
+    walk = _walk()
+    recipe = acceptance_train.SIZES["quick"].recipe
+    train = _command(walk, "eagle3data.bench.speculators_cpu")
+    flags = recipe.flags()
+    for i in range(0, len(flags)):  # every flag of the recipe, with the values that follow it
+        if flags[i].startswith("--"):
+            values = []
+            for v in flags[i + 1:]:
+                if v.startswith("--"):
+                    break
+                values.append(v)
+            at = train.index(flags[i])
+            assert [float(x) if re.fullmatch(r"[\d.e-]+", x) else x for x in train[at + 1:at + 1 + len(values)]] == \
+                [float(x) if re.fullmatch(r"[\d.e-]+", x) else x for x in values], flags[i]
+    assert "eagle3data.bench.speculators_cpu" in inspect.getsource(acceptance_train.train)
+    assert " ".join(map(str, acceptance_data.LAYER_IDS)) in " ".join(train)
+    assert f"draft_vocab_size: {recipe.draft_vocab}" in walk
+    config = acceptance_data.pipeline_config("x", Path("c.jsonl"), Path("m"), recipe.draft_vocab)
+    assert "speculators: {enabled: true, states: files}" in walk and config["export"]["speculators"] == \
+        {"enabled": True, "states": "files"}
+    assert f'"num_speculative_tokens": {acceptance_serve.SPECULATIVE_TOKENS}' in walk
+    assert '"method": "eagle3"' in walk and '"method": "eagle3"' in inspect.getsource(acceptance_serve.serve)
+    serve = _command(walk, "eagle3data.bench.acceptance_serve")
+    assert "eagle3data.bench.acceptance_serve" in inspect.getsource(acceptance.serve)
+    for flag in ("--model", "--prompts", "--draft", "--max-tokens", "--out"):
+        assert flag in serve and flag in inspect.getsource(acceptance_serve.main), flag
+    assert f"--max-tokens {acceptance_train.SIZES['quick'].max_tokens}" in " ".join(serve)
+    assert "mean_acceptance_length" in walk and "mean_acceptance_length" in inspect.getsource(acceptance_serve)
+    assert (REPO / "resources" / "smollm2-135m").is_dir() and acceptance.DEFAULT_MODEL == "resources/smollm2-135m"
+
+
+# The user pages: benchmark vocabulary (figure numbers, arm letters) stays in benchmarks.md.
+USER_PAGES = ["README.md", "docs/configuration.md", "docs/output-format.md", "docs/training.md", "docs/resume.md",
+              "docs/regeneration.md", "docs/troubleshooting.md", "docs/input-formats.md", "docs/expectations.md",
+              "docs/slurm.md"]
+DECIMAL = re.compile(r"(?<![\w.=-])~?\d+\.\d+(?:-\d+\.\d+)?x?(?![\w.])")
+# Decimals a user page may state outside a generated quote: none of them comes from docs/measurements/.
+NOT_MEASUREMENTS = {
+    "versions": {"0.2", "0.9", "3.11", "2.11", "2.6", "0.26"},
+    "the parity gate's tolerances and the bf16 floor they were set from (config/schema.yaml, tests/test_parity.py)":
+        {"0.002-0.013", "0.005-0.05", "0.011-0.10", "0.10", "0.1", "1.0", "0.22", "0.36", "2.3"},
+    "the exports' bound that tests/test_trainers.py holds": {"0.1x"},
+    "the input scan's rate, stated where it is measured (inputs/scan.py)": {"2.5", "1.3"},
+}
+
+
+def prose(text: str) -> str:
+    """A page without its code, generated tables, generated quotes and inline code."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(re.escape(table.BEGIN) + ".*?" + re.escape(table.END), "", text, flags=re.S)
+    text = table.QUOTE.sub("", text)
+    return re.sub(r"`[^`]*`", "", text)
+
+
+@pytest.mark.parametrize("page", USER_PAGES)
+def test_user_pages_quote_measurements_only_as_generated(page):
+    """Every number a user page quotes from a measurement is generated from it (between the quote markers,
+    kept current by bench.table, the test above), and no user page speaks in figure numbers."""
+    text = prose((REPO / page).read_text())
+    allowed = set().union(*NOT_MEASUREMENTS.values())
+    stray = sorted(set(DECIMAL.findall(text)) - allowed)
+    assert not stray, f"{page}: numbers not generated from docs/measurements/ (quote them): {stray}"
+    figures = re.findall(r"\bfigures? \d+[a-z]?\b|\barm \([a-e]\)|\b\d+[dtw]\b(?= |,|\))", text)
+    assert not figures, f"{page}: benchmark vocabulary in a user page (use plain names): {figures}"
+
+
+def test_every_quote_names_what_it_quotes():
+    names = {m.group(2) for page in [*DOCS] for m in table.QUOTE.finditer(page.read_text())}
+    assert names and names <= set(table.QUOTES)
