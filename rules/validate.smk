@@ -16,6 +16,8 @@ rule validate:
     conda:
         "../envs/eagle3data.yaml"
     threads: config["validation"]["threads"]
+    resources:
+        mem_mb=lambda wildcards, attempt: VALIDATE_MEM_MB * attempt,
     params:
         model=config["model"],
         captures=config["captures"],

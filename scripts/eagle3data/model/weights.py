@@ -12,8 +12,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
+
 from safetensors import safe_open
+
+if TYPE_CHECKING:  # torch is imported where a tensor is read: planning reads headers only
+    import torch
 
 _PREFIXES = ("model.", "language_model.model.", "model.language_model.")
 NORM_NAMES = tuple(f"{prefix}norm.weight" for prefix in _PREFIXES)
@@ -41,7 +45,7 @@ def tensor_files(model_dir: str | Path) -> dict[str, Path]:
         return {name: model_dir / file for name, file in json.loads(index.read_text())["weight_map"].items()}
     found = {}
     for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="numpy") as f:
             found.update(dict.fromkeys(f.keys(), path))
     return found
 
@@ -78,7 +82,7 @@ class FinalNorm:
         """The post-norm state of `pre_norm [..., H]`, in `pre_norm`'s dtype."""
         x = pre_norm.float()
         variance = x.pow(2).mean(-1, keepdim=True)
-        return (self.weight * (x * torch.rsqrt(variance + self.eps))).to(pre_norm.dtype)
+        return (self.weight * (x * (variance + self.eps).rsqrt())).to(pre_norm.dtype)
 
 
 class NotRMSNorm(ValueError):
@@ -115,7 +119,7 @@ def float32_bytes(model_dir: str | Path, layers: int, files: dict[str, Path] | N
                 by_file.setdefault(path, []).append(name)
     count = 0
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="numpy") as f:
             for name in names:
                 count += _numel(f.get_slice(name).get_shape())
     return 4 * count
@@ -126,3 +130,14 @@ def _numel(shape: list[int]) -> int:
     for size in shape:
         n *= size
     return n
+
+
+def reference_layers(model_dir: str | Path, streams: list[int], budget_bytes: float,
+                     files: dict[str, Path] | None = None) -> tuple[int, int, int]:
+    """(the deepest of `streams` whose first layers fit `budget_bytes` in float32, or 0; the bytes they
+    take; the bytes the shallowest stream would take): how far a float32 reference can follow."""
+    files = tensor_files(model_dir) if files is None else files
+    needs = {s: float32_bytes(model_dir, s, files) for s in sorted(set(streams))}
+    fitting = [s for s, need in needs.items() if need <= budget_bytes]
+    deepest = fitting[-1] if fitting else 0
+    return deepest, needs.get(deepest, 0), next(iter(needs.values()))

@@ -134,15 +134,11 @@ def next_token_log_probs(final: torch.Tensor, next_ids: list[int], norm: weights
 
 
 def _reference(job: ParityJob, witnesses: dict[str, dict]) -> dict:
-    budget = job.settings["reference_memory_gib"] * GIB
-    indices = sorted({c.stream_index for c in job.captures})
-    files = weights.tensor_files(job.model_path)
-    needs = {s: weights.float32_bytes(job.model_path, s, files) for s in indices}
-    fitting = [s for s in indices if needs[s] <= budget]
-    if not fitting:
-        return {"status": "not run", "why": f"the first capture needs {needs[indices[0]] / GIB:.1f} GiB in "
-                f"float32, parity.reference_memory_gib is {job.settings['reference_memory_gib']}"}
-    layers = fitting[-1]
+    layers, need, first = weights.reference_layers(job.model_path, [c.stream_index for c in job.captures],
+                                                   job.settings["reference_memory_gib"] * GIB)
+    if not layers:
+        return {"status": "not run", "why": f"the first capture needs {first / GIB:.1f} GiB in float32, "
+                f"parity.reference_memory_gib is {job.settings['reference_memory_gib']}"}
     from eagle3data.model import reference
 
     loading = time.perf_counter()
@@ -162,7 +158,7 @@ def _reference(job: ParityJob, witnesses: dict[str, dict]) -> dict:
             nearest = min(expected, key=lambda s: float(token_errors(found, expected[s]).median()))
             rows.append({"sample": sample_id, "capture": capture.name, "median": round(median, 5),
                          "nearest_stream": nearest, "ok": median <= job.settings["max_state_error"]})
-    return {"status": "run", "layers": layers, "of": job.num_hidden_layers, "memory_gib": round(needs[layers] / GIB, 3),
+    return {"status": "run", "layers": layers, "of": job.num_hidden_layers, "memory_gib": round(need / GIB, 3),
             "tolerance": job.settings["max_state_error"], "load_seconds": round(load_seconds, 3), "rows": rows}
 
 

@@ -1,0 +1,28 @@
+"""Host memory a validate job declares (its `mem_mb`, what SLURM allocates): the job's own needs plus
+the parity gate's float32 reference of the checkpoint's first layers, which for a model of a few billion
+parameters is most of it. Planned from the checkpoint's safetensors headers, before any job starts; a
+model a rule builds (the demo) is small and not there yet: the base alone."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from eagle3data.contracts.layers import eagle3_captures, parse_captures
+from eagle3data.model.info import read_model_info
+from eagle3data.model.weights import reference_layers
+
+VALIDATE_BASE_MB = 4000  # reading, measuring and the gate's output head in chunks
+REFERENCE_MARGIN = 1.25  # activations and the loader's copies beside the float32 weights
+
+
+def validate_mb(config: dict) -> int:
+    """A validate job's memory on its first attempt, MB."""
+    parity, model = config["parity"], Path(config["model"]["path"])
+    if not parity["enabled"] or not (model / "config.json").is_file():
+        return VALIDATE_BASE_MB
+    layers = read_model_info(model).num_hidden_layers
+    captures = parse_captures(config["captures"] or eagle3_captures(layers), layers)
+    _, need, _ = reference_layers(model, [c.stream_index for c in captures],
+                                  parity["reference_memory_gib"] * 2**30)
+    return VALIDATE_BASE_MB + math.ceil(need * REFERENCE_MARGIN / 1e6)
