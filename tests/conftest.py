@@ -73,6 +73,9 @@ def demo_config(**overrides) -> dict:
     # A run that fails leaves its engine loaded this long (engine.keep_alive_s): the suite's failing runs
     # must not pile up idle engines.
     config["engine"]["keep_alive_s"] = 30
+    # The parity gate (seconds of transformers per validate job) runs where a test is about it or about a
+    # user's run as it comes: the session's demo run, the real model's runs, tests/test_parity.py.
+    config["parity"] = {"enabled": False}
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key] = {**config[key], **value}
@@ -125,7 +128,8 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> Path:
     """One full run of the embedded default, for both workers; tests read (never modify) what it wrote."""
-    return built_once(tmp_path_factory, "demo", lambda workdir: run_snakemake(workdir, config=demo_config()))
+    return built_once(tmp_path_factory, "demo",
+                      lambda workdir: run_snakemake(workdir, config=demo_config(parity={"enabled": True})))
 
 
 @pytest.fixture
