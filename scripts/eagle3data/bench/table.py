@@ -341,21 +341,29 @@ def run_rates(rows: list[Row]) -> list[RunRate]:
     return out
 
 
-def measured_rate(device: str, model: dict, tensor_parallel: int) -> RunRate | None:
+def measured_rate(device: str, model: dict, tensor_parallel: int, codec: str = "zstd") -> RunRate | None:
     """The measured run that supports a time estimate for `model` (its config's hidden_size,
-    num_hidden_layers, intermediate_size) on `device` ("cpu", or a GPU's name), or None: only the same
-    shape at TP1 on the same kind of machine; of several, the slowest."""
+    num_hidden_layers, intermediate_size) on `device` ("cpu", or a GPU's name) storing states with `codec`,
+    or None: only the same shape at TP1 on the same kind of machine; of several, the codec's (else any
+    that names one), the slowest."""
     if tensor_parallel != 1:
         return None
     kinds = [k for k in ("H100", "H200") if k in device.upper()] if device != "cpu" else ["CPU"]
     shape = ("hidden_size", "num_hidden_layers", "intermediate_size")
     fits = [r for r in run_rates(read_index()) if any(k in r.hardware for k in kinds)
             and all(model.get(k) == r.model[k] for k in shape)]
+    named = [r for r in fits if "CPU" in r.hardware or r.hardware.endswith(("raw", "zstd"))]
+    fits = [r for r in named if r.hardware.endswith({"none": "raw"}.get(codec, codec))] or named
     return min(fits, key=lambda r: r.dataset_tps, default=None)
 
 
 def _rate(hardware: str) -> RunRate:
     return next(r for r in run_rates(read_index()) if r.hardware == hardware)
+
+
+def stored_ratio() -> float:
+    """The packed dataset's bytes / raw bytes of real states with zstd: figure 6's worst current run."""
+    return _values(current(read_index()), CPU, "6")[0]
 
 
 def _values(cur: dict, hw: str, figure: str) -> list[float]:

@@ -4,17 +4,21 @@ A Kimi-K2.5 engine takes 20+ minutes to load and a data set takes terabytes, so 
 template that drops tool calls, or a disk too small should show in seconds, not after the first shard.
 The report reads only the checkpoint's config and tokenizer and a sample of the input: the model and the
 captures chosen for it, the chat template, the conversations, shards and tokens, the bytes of states
-against the free disk, and every setting that differs from the schema's defaults.
+against the free disk and what each enabled trainer export adds, a time where a measurement supports one
+(docs/expectations.md: the same model shape at TP1 on the same kind of machine), and every setting that
+differs from the schema's defaults.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 from eagle3data.inputs.conversations import count_conversations, read_shard
-from eagle3data.plan.disk import sample_bytes
+from eagle3data.contracts.dtypes import ITEMSIZES
+from eagle3data.plan.disk import ExportShape, describe_export, export_bytes, sample_bytes
 from eagle3data.utils.problems import Problem
 from eagle3data.config.settings import Settings, engine_device, with_schema_defaults
 from eagle3data.plan.shards import plan
@@ -34,7 +38,7 @@ def report(config: dict, schema: str | Path) -> tuple[str, list[Problem]]:
     lines += template_support(tokenizer)
     sizes, input_lines = _input(settings, tokenizer)
     disk, problems = _disk(settings, sizes)
-    lines += input_lines + disk + _engine(config) + _changed(config, schema)
+    lines += input_lines + disk + _engine(config) + _time(settings, sizes) + _changed(config, schema)
     return "\n".join(lines), problems
 
 
@@ -96,6 +100,7 @@ def _input(settings: Settings, tokenizer) -> tuple[dict, list[str]]:
     scale = conversations / max(sampled, 1)
     tokens = kept["num_tokens"].sum() * scale
     states = sum(sample_bytes(int(t), settings.expected) for t in kept["num_tokens"]) * scale
+    samples = len(kept) * scale
     reasons = ", ".join(f"{n} {reason}" for reason, n in
                         skipped["reason"].str.split(":").str[0].value_counts().items())
     lines = [
@@ -105,13 +110,42 @@ def _input(settings: Settings, tokenizer) -> tuple[dict, list[str]]:
         f"(max_seq_len {config['sequence']['max_seq_len']}), {len(skipped)} skipped{f' ({reasons})' if reasons else ''}",
         f"           whole input{', estimated' if sampled < conversations else ''}: {tokens:,.0f} tokens",
     ]
-    return {"states": states}, lines
+    return {"states": states, "tokens": tokens, "samples": samples}, lines
+
+
+def _exports(settings: Settings, sizes: dict) -> tuple[float, list[str]]:
+    """What each enabled export adds to the run (plan.disk's model, the dataset's size estimated from the
+    states' raw bytes and the stored ratio measured on real states), and its bytes together."""
+    config, lines, total = settings.config, [], 0.0
+    compressed = config["storage"]["compression"]["codec"] != "none"
+    dataset = sizes["states"] * (stored_ratio() if compressed else 1.0)
+    for trainer in ("speculators", "specforge"):
+        export = config["export"][trainer]
+        if not export["enabled"]:
+            continue
+        n_states = len(export.get("layer_ids") or []) + 1 if export.get("layer_ids") else len(settings.captures)
+        shape = ExportShape(samples=round(sizes["samples"]), tokens=round(sizes["tokens"]), states_per_token=n_states,
+                            hidden_size=settings.model.hidden_size, itemsize=ITEMSIZES[settings.dtype])
+        linked = (trainer == "speculators" and not config["storage"]["drop_packed_states"]
+                  and not export.get("layer_ids"))
+        total += export_bytes(trainer, export["states"], shape, linked)
+        lines.append(f"export     {describe_export(trainer, export['states'], shape, round(dataset), linked)}"
+                     .replace("disk: the ", ""))
+    return total, lines
+
+
+def stored_ratio() -> float:
+    """The packed dataset's bytes / raw bytes of real states, compressed (the worst run measured)."""
+    from eagle3data.bench import table
+
+    return table.stored_ratio()
 
 
 def _disk(settings: Settings, sizes: dict) -> tuple[list[str], list[Problem]]:
     storage = settings.config["storage"]
     copies = 1 if storage["drop_packed_states"] else 2
-    needed = sizes["states"] * copies + storage["reserve_gib"] * GIB
+    exports, export_lines = _exports(settings, sizes)
+    needed = sizes["states"] * copies + exports + storage["reserve_gib"] * GIB
     where = settings.run_dir
     while not where.exists():
         where = where.parent
@@ -125,8 +159,9 @@ def _disk(settings: Settings, sizes: dict) -> tuple[list[str], list[Problem]]:
     return [
         f"states     {_size(sizes['states'])} estimated; {copies} cop{'y' if copies == 1 else 'ies'} "
         f"on disk: {why}",
+        *export_lines,
         f"disk       {_size(free)} free at {where.resolve()}, {_size(needed)} needed with "
-        f"reserve_gib {storage['reserve_gib']}: {verdict}",
+        f"{'the exports and ' if export_lines else ''}reserve_gib {storage['reserve_gib']}: {verdict}",
     ], problems
 
 
@@ -138,6 +173,38 @@ def _engine(config: dict) -> list[str]:
 
         line += f"; {torch.cuda.device_count()} GPUs visible here"
     return [line]
+
+
+def _time(settings: Settings, sizes: dict) -> list[str]:
+    """A time to the packed dataset where a measured run supports it (bench.table.measured_rate: the same
+    model shape at TP1 on the same kind of machine), else why there is none."""
+    from eagle3data.bench import table
+
+    engine = settings.config["engine"]
+    device = "cpu"
+    if engine["device"] == "cuda":
+        import torch
+
+        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU visible"
+    shape = json.loads((Path(settings.model.path) / "config.json").read_text())
+    shape = shape.get("text_config", shape)
+    rate = table.measured_rate(device, shape, engine["tensor_parallel_size"],
+                               settings.config["storage"]["compression"]["codec"])
+    if rate is None:
+        return [f"time       not estimated: nothing measured supports it for this model (hidden "
+                f"{shape.get('hidden_size')}, {shape.get('num_hidden_layers')} layers) at tensor parallel "
+                f"{engine['tensor_parallel_size']} on {device} (measured: docs/expectations.md; "
+                "python -m eagle3data.bench.projection models a node)"]
+    seconds = sizes["tokens"] / rate.dataset_tps + rate.fixed_seconds
+    return [f"time       about {_duration(seconds)} to the packed dataset: {sizes['tokens']:,.0f} tokens at "
+            f"{rate.dataset_tps:,.0f} tok/s + {rate.fixed_seconds:,.0f} s of fixed costs, as measured for "
+            f"{rate.model['name']} on {rate.hardware} ({rate.file}; docs/expectations.md)"
+            + (f"; this machine has {os.cpu_count()} cores" if device == "cpu" else "")]
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:,.1f} h" if seconds >= 5400 else f"{seconds / 60:,.0f} min" if seconds >= 90 \
+        else f"{seconds:,.0f} s"
 
 
 def _changed(config: dict, schema: str | Path) -> list[str]:
