@@ -121,3 +121,22 @@ def test_command_prints_stages_and_json():
                                         check=True).stdout)
     assert f"{as_json['gpu_busy_share']:.3f}" in text
     assert subprocess.run([*run, "--help"], cwd=REPO, capture_output=True).returncode == 0
+
+
+def test_exports_at_their_default_hold_no_states_and_files_exports_copy_them(capsys):
+    from eagle3data.plan.disk import ExportShape, export_bytes
+
+    none = projection(capsys)
+    readers = projection(capsys, "--reader-exports", "speculators,specforge")
+    files = projection(capsys, "--exports", "2")
+    shape = ExportShape(samples=300_000, tokens=300_000 * 400, states_per_token=4, hidden_size=7168, itemsize=2)
+    small = export_bytes("speculators", "reader", shape) + export_bytes("specforge", "reader", shape)
+    stage = {r: {s["stage"]: s for s in p["stages"]}["exports"] for r, p in
+             (("none", none), ("readers", readers), ("files", files))}
+    assert stage["none"]["disk_bytes"] == 0 and stage["readers"]["disk_bytes"] == small
+    assert small < 0.001 * none["state_bytes"]  # 400-token rows: the table and a block a row
+    assert stage["readers"]["seconds"] == pytest.approx(small / (readers["inputs"]["disk_gbps"] * 1e9))
+    assert stage["files"]["disk_bytes"] == pytest.approx(4 * files["state_bytes"])  # each read and written
+    pack = {s["stage"]: s for s in files["stages"]}["pack"]["seconds"]
+    assert stage["files"]["seconds"] == pytest.approx(2 * pack)
+    assert none["wall_seconds"] < readers["wall_seconds"] < none["wall_seconds"] + 60 < files["wall_seconds"]

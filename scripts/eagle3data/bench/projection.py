@@ -34,8 +34,12 @@ The model (assumed, not measured, unless a rate says so):
 - On the critical path, GPUs idle: the first shard's tokenize (the first extract needs it; the other
   tokenize jobs run beside it or beside extraction), the engine starts, the last shard's validate
   (its bytes / min(validate rate, R)), the last shard's pack after it (reads and writes its state bytes:
-  max(bytes / pack rate, 2 x bytes / R); the dataset is then an index of hard links, seconds) and each
-  export (another copy of every byte, at pack's rate: not measured).
+  max(bytes / pack rate, 2 x bytes / R); the dataset is then an index of hard links, seconds) and the
+  trainer exports. An export at its default (`states: reader`, `--reader-exports speculators,specforge`)
+  holds no states: its bytes are plan.disk.export_bytes's (speculators' table, 5 bytes a token; SpecForge's
+  pointer files, a 4 KiB block a row), written at R (the demo's two measured 0.05x its packed dataset).
+  An export with `states: files` (`--exports N`) is another copy of every state byte, at pack's rate
+  (not measured).
 - Enough CPU cores for tokenize, validate and pack jobs of several shards to run side by side.
 Wall = the critical path; share = GPU-busy seconds / wall; the bound is the largest of the losses
 (wall = GPU-busy seconds + losses).
@@ -48,6 +52,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from eagle3data.plan.disk import ExportShape, export_bytes
 
 # docs/measurements/2026-12-01-h200-figure1-default.json: one H200, 8B Llama shape, bf16, TP1.
 H200_RUN = "docs/measurements/2026-12-01-h200-figure1-default.json"
@@ -91,8 +97,9 @@ class Node:
     validate_gbps: float
     validate_reads_states: bool  # validation.read_states: validate reads every byte too
     pack_gbps: float
-    exports: int
-    transport: bool = False  # storage.transport_dir: the per-sample files on a RAM disk, not the disk
+    exports: int  # exports with states: files, each a copy of every state byte
+    transport: bool = False
+    reader_exports: tuple[str, ...] = ()  # trainers whose export is at its default, states: reader  # storage.transport_dir: the per-sample files on a RAM disk, not the disk
 
 
 def slower(own_seconds: float, own: str, disk_seconds: float, disk_work: str, disk_gbps: float) -> str:
@@ -124,6 +131,10 @@ def project(node: Node) -> dict:
     validate = validated / min(node.validate_gbps * 1e9, read_from)
     packed_disk_bytes = (1 + files_on_disk) * states
     pack = max(states / (node.pack_gbps * 1e9), packed_disk_bytes / disk)
+    shape = ExportShape(samples=node.conversations, tokens=round(tokens), states_per_token=node.captures,
+                        hidden_size=node.hidden_size, itemsize=2)
+    reader_bytes = sum(export_bytes(trainer, "reader", shape) for trainer in node.reader_exports)
+    exports = node.exports * pack + reader_bytes / disk
 
     set_by = {
         "tokenize": f"CPU: {node.tokenize_tps:,.0f} tok/s a job",
@@ -138,7 +149,9 @@ def project(node: Node) -> dict:
         "pack": slower(states / (node.pack_gbps * 1e9), f"CPU: pack's {node.pack_gbps:.2f} GB/s",
                        packed_disk_bytes / disk, f"{packed_disk_bytes / 1e12:.2f} TB "
                        f"{'written' if node.transport else 'read and written'}", node.disk_gbps),
-        "exports": f"{node.exports} x pack's time (assumed)",
+        "exports": (f"{node.exports} files export(s) x pack's time (assumed); "
+                    f"{', '.join(node.reader_exports) or 'no'} reader export(s) {reader_bytes / 1e9:,.1f} GB "
+                    f"({reader_bytes / states:.4f}x the states) at the disk's rate"),
     }
     stages = [  # name, seconds of all its jobs, seconds on the critical path, overlap, disk bytes
         ("tokenize", tokens / node.tokenize_tps, first_tokenize, "yes, except the first shard's", 0.0),
@@ -146,7 +159,7 @@ def project(node: Node) -> dict:
         ("extract", extraction_phase, extraction_phase, "is the GPU work", files_on_disk * states),
         ("validate", validate, validate / shards, "yes, except the last shard's", files_on_disk * validated),
         ("pack", pack, pack / shards, "yes, except the last shard's", packed_disk_bytes),
-        ("exports", node.exports * pack, node.exports * pack, "no: after pack", node.exports * 2 * states),
+        ("exports", exports, exports, "no: after pack", node.exports * 2 * states + reader_bytes),
     ]
     losses = {  # wall = busy + these
         "tokenize of the first shard": (first_tokenize, set_by["tokenize"]),
@@ -156,7 +169,7 @@ def project(node: Node) -> dict:
         "disk during extraction": (extraction_phase - extraction, set_by["extract"]),
         "validate of the last shard": (validate / shards, set_by["validate"]),
         "pack of the last shard": (pack / shards, set_by["pack"]),
-        "exports": (node.exports * pack, set_by["exports"]),
+        "exports": (exports, set_by["exports"]),
     }
     wall = busy + sum(seconds for seconds, _ in losses.values())
     bound = max(losses, key=lambda name: losses[name][0])
@@ -247,7 +260,7 @@ def node_from_args(args: argparse.Namespace) -> tuple[Node, dict]:
         validate_gbps=rate("validate_gbps", VALIDATE_GBPS, "measured, figure 2 on the CPU machine"),
         validate_reads_states=args.validate_reads_states, transport=args.transport,
         pack_gbps=rate("pack_gbps", PACK_GBPS, "measured, figure 3 on the CPU machine"),
-        exports=args.exports,
+        exports=args.exports, reader_exports=tuple(filter(None, args.reader_exports.split(","))),
     )
     return node, sources
 
@@ -319,13 +332,19 @@ def main(argv: list[str] | None = None) -> None:
                    help="storage.transport_dir: the per-sample files on a RAM disk (the disk takes each byte once)")
     p.add_argument("--pack-gbps", type=float, help=f"default: {PACK_GBPS}")
     p.add_argument("--exports", type=int, default=0,
-                   help="opt-in trainer exports, each another copy (default: %(default)s)")
+                   help="trainer exports with states: files, each another copy of every state byte "
+                        "(default: %(default)s)")
+    p.add_argument("--reader-exports", default="",
+                   help="trainers (speculators,specforge) whose export is at its default, states: reader: "
+                        "no states, the trainer's small files only (default: none)")
     p.add_argument("--json", action="store_true", help="print the projection as JSON")
     args = p.parse_args(argv)
     if args.engine_starts != "per-shard" and not args.engine_starts.isdigit():
         p.error("--engine-starts takes a count or per-shard")
     if args.gpus % args.tp:
         p.error("--tp must divide --gpus")
+    if set(filter(None, args.reader_exports.split(","))) - {"speculators", "specforge"}:
+        p.error("--reader-exports takes speculators, specforge or both, comma-separated")
     node, sources = node_from_args(args)
     result = project(node)
     compared = project(replace(node, engine_starts=1 if node.engine_starts is None else None))
