@@ -318,11 +318,11 @@ class RunRate:
         return 1e6 / self.dataset_tps / 3600
 
 
-def run_rates(rows: list[Row]) -> list[RunRate]:
-    """For each machine whose current figure-7 series has a run of the whole pipeline: its slowest run to
-    the packed dataset (the worst of the series)."""
+def run_rates(cur: dict[tuple[str, str], list[Row]]) -> list[RunRate]:
+    """For each machine whose current series (`cur`, from current()) has a run of the whole pipeline: its
+    slowest run to the packed dataset (the worst of the series)."""
     out = []
-    for (hw, figure), rs in sorted(current(rows).items()):
+    for (hw, figure), rs in sorted(cur.items()):
         if figure != "7d":
             continue
         runs = []
@@ -350,15 +350,15 @@ def measured_rate(device: str, model: dict, tensor_parallel: int, codec: str = "
         return None
     kinds = [k for k in ("H100", "H200") if k in device.upper()] if device != "cpu" else ["CPU"]
     shape = ("hidden_size", "num_hidden_layers", "intermediate_size")
-    fits = [r for r in run_rates(read_index()) if any(k in r.hardware for k in kinds)
+    fits = [r for r in run_rates(current(read_index())) if any(k in r.hardware for k in kinds)
             and all(model.get(k) == r.model[k] for k in shape)]
     named = [r for r in fits if "CPU" in r.hardware or r.hardware.endswith(("raw", "zstd"))]
     fits = [r for r in named if r.hardware.endswith({"none": "raw"}.get(codec, codec))] or named
     return min(fits, key=lambda r: r.dataset_tps, default=None)
 
 
-def _rate(hardware: str) -> RunRate:
-    return next(r for r in run_rates(read_index()) if r.hardware == hardware)
+def _rate(cur: dict, hardware: str) -> RunRate:
+    return next(r for r in run_rates(cur) if r.hardware == hardware)
 
 
 def stored_ratio() -> float:
@@ -398,11 +398,11 @@ QUOTES = {
     "whole-h100": ("figure 7w, the worst run on the H100 with zstd: the whole run / bare prefill",
                    lambda cur: f"{_values(cur, '1x H100, dummy weights, zstd', '7w')[0]:.2f}"),
     "dataset-tps-h100": ("the worst H100 zstd run's tokens/s from the engine ready to the packed dataset",
-                         lambda cur: f"{_rate('1x H100, dummy weights, zstd').dataset_tps:,.0f}"),
+                         lambda cur: f"{_rate(cur, '1x H100, dummy weights, zstd').dataset_tps:,.0f}"),
     "million-h100": ("the same run's seconds for a million tokens at that rate",
-                     lambda cur: f"{_rate('1x H100, dummy weights, zstd').hours_per_million * 3600:.0f}"),
+                     lambda cur: f"{_rate(cur, '1x H100, dummy weights, zstd').hours_per_million * 3600:.0f}"),
     "fixed-h100": ("the same run's seconds beyond its tokens at that rate: engine load, tokenize, the end",
-                   lambda cur: f"{_rate('1x H100, dummy weights, zstd').fixed_seconds:.0f}"),
+                   lambda cur: f"{_rate(cur, '1x H100, dummy weights, zstd').fixed_seconds:.0f}"),
 }
 QUOTE = re.compile(r"(<!-- q:([\w-]+) -->)(.*?)(<!-- /q -->)")
 
@@ -425,7 +425,7 @@ def expectations(rows: list[Row]) -> str:
     lines = ["| machine | model, TP1 | extract tok/s | steady tok/s | to the packed dataset: tok/s | "
              "a million tokens | the whole run: s (before the engine was ready) | JSON |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in run_rates(rows):
+    for r in run_rates(cur):
         if "CPU" not in r.hardware and not r.hardware.endswith(("raw", "zstd")):
             continue  # runs from before a row named its codec
         lines.append(f"| {r.hardware} | {r.model['name']} (hidden {r.model['hidden_size']}, "
