@@ -107,6 +107,8 @@ def _final_capture(job: ParityJob, witnesses: dict[str, dict]) -> dict:
     rows = []
     for sample_id, stored in witnesses.items():
         ids = stored["token_ids"].tolist()
+        if len(ids) < 2:  # no next token to predict (min_seq_len 1)
+            continue
         engine = torch.tensor(job.log_probs[sample_id], dtype=torch.float32)
         if len(engine) != len(ids) - 1:
             rows.append({"sample": sample_id, "ok": False, "capture": job.captures[final[0]].name,
