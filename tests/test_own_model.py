@@ -71,6 +71,10 @@ def test_three_keys_run_the_real_model_with_eagle3s_captures(own_run):
     # The draft vocabulary: 32000 (SpecForge's and speculators' default), within the target's 49,152.
     mapping = torch.load(workdir / "results" / "mine" / "vocab_mapping.pt")
     assert mapping["d2t"].numel() == 32000
+    # The parity gate ran by default: two samples, both checks, the whole model as the reference.
+    parity = ds.metadata["parity"]
+    assert parity["status"] == "passed" and parity["samples"] == 2 and not parity["not_run"], parity
+    assert parity["reference"]["layers"] == 30 and len(parity["reference"]["captures"]) == 4, parity
 
 
 def test_the_users_model_directory_is_never_written(own_run):
@@ -87,6 +91,8 @@ def test_preflight_names_the_model_the_captures_and_what_differs(own_run):
     # SmolLM2's ChatML template writes messages' content only.
     assert "template   found; renders tool declarations: NO, tool calls: NO, reasoning: NO" in out
     assert "input      " in out and "20 conversations in 1 shards" in out
+    assert ("parity     2 samples a shard: the final capture against the engine's next-token log-probabilities; "
+            "4 of 4 captures against transformers' float32 forward of the first 30 layers (0.5 GiB)") in out
     assert "engine     cpu, tensor parallel 1" in out
     assert "settings   all defaults" in out
 

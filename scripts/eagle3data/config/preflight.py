@@ -18,6 +18,7 @@ from pathlib import Path
 
 from eagle3data.inputs.conversations import count_conversations, read_shard
 from eagle3data.contracts.dtypes import ITEMSIZES
+from eagle3data.model.weights import reference_layers
 from eagle3data.plan.disk import ExportShape, describe_export, export_bytes, sample_bytes
 from eagle3data.utils.problems import Problem
 from eagle3data.config.settings import Settings, engine_device, with_schema_defaults
@@ -33,7 +34,7 @@ def report(config: dict, schema: str | Path) -> tuple[str, list[Problem]]:
     """The preflight report of the run `config` (validated, defaults filled) describes, and the problems
     only the report finds: states larger than the free disk (where storage.check_free_space holds)."""
     settings = Settings(config)
-    lines = _model(settings) + _captures(settings)
+    lines = _model(settings) + _captures(settings) + _parity(settings)
     tokenizer = _tokenizer(config)
     lines += template_support(tokenizer)
     sizes, input_lines = _input(settings, tokenizer)
@@ -62,6 +63,22 @@ def _captures(settings: Settings) -> list[str]:
         lines.append(f"           {slot}: {capture.name:<16} {capture.describe(n)} "
                      f"(vLLM aux id {capture.stream_index})")
     return lines
+
+
+def _parity(settings: Settings) -> list[str]:
+    """What the parity gate (validate/parity.py) will hold against the checkpoint, and what it takes."""
+    parity = settings.config["parity"]
+    if not parity["enabled"]:
+        return ["parity     off (parity.enabled: false): no shard is held against the checkpoint"]
+    layers, need, first = reference_layers(settings.model.path, [c.stream_index for c in settings.captures],
+                                           parity["reference_memory_gib"] * GIB)
+    held = sum(c.stream_index <= layers for c in settings.captures)
+    reference = (f"{held} of {len(settings.captures)} captures against transformers' float32 forward of the "
+                 f"first {layers} layers ({_size(need)})" if layers else
+                 f"no transformers reference: the first capture's layers take {_size(first)} in float32, "
+                 f"parity.reference_memory_gib is {parity['reference_memory_gib']}")
+    return [f"parity     {parity['samples_per_shard']} samples a shard: the final capture against the engine's "
+            f"next-token log-probabilities; {reference}"]
 
 
 def _tokenizer(config: dict):
