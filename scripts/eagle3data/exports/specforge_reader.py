@@ -32,7 +32,7 @@ from eagle3data.dataset.format import IntegrityError, verifying
 from eagle3data.exports.specforge import CRC_KEY, FINAL_NORM_FILE, POINTER_KEY, SAMPLE_KEY, features, verify_features
 from eagle3data.exports.common import (MANIFEST_FILE, open_exported_dataset, read_manifest, read_reader_manifest,
                                        verify_export_files)
-from eagle3data.exports.final_norm import FinalNorm
+from eagle3data.model.weights import FinalNorm
 
 
 class PackedFeatures:
