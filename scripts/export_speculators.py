@@ -12,7 +12,7 @@ export(
     token_freq=sm.input.token_freq,
     vocab_mapping=sm.input.mapping,
     layer_ids=sm.params.layer_ids,
-    store_dir=Settings(dict(sm.config)).samples_dir,
+    store_dir=Settings(dict(sm.config)).store.samples,
     states=sm.params.states,
     storage=sm.config["storage"],
 )

@@ -35,6 +35,7 @@ RUNNER = textwrap.dedent(
     import json, sys
     from eagle3data.capture.extract import ExtractJob, run
     from eagle3data.contracts.layers import parse_captures
+    from eagle3data.storage.store import Store
     from eagle3data.model.info import read_model_info
     from eagle3data.contracts.states import Expected
 
@@ -42,7 +43,7 @@ RUNNER = textwrap.dedent(
         a = json.loads(sys.argv[1])
         info = read_model_info(a["model"])
         captures = parse_captures(a["captures"], info.num_hidden_layers)
-        run(ExtractJob(a["shard"], a["manifest"], a["stats"], a["store"], a["model"], False,
+        run(ExtractJob(a["shard"], a["manifest"], a["stats"], Store.at(a["store"]), a["model"], False,
                        Expected(captures, info.hidden_size, a["dtype"]), a["max_seq_len"], a["engine"]))
     """
 )

@@ -10,6 +10,7 @@ refuses a frame that is not whole. Real SmolLM2 states: tests/test_real_model.py
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -33,9 +34,9 @@ from eagle3data.dataset.check import DatasetCheckError, check_dataset
 from eagle3data.storage.compression import (FRAME_KEY, FRAME_TENSOR, Compression, FrameError, decode, frame_bytes,
                                              frame_checksum)
 from eagle3data.dataset.pack import PackJob, run as pack
-from eagle3data.dataset.packed import restore_missing
+from eagle3data.dataset.packed import restore
 from eagle3data.config.settings import Settings
-from eagle3data.storage.store import atomic_path, sample_path
+from eagle3data.storage.store import Store, atomic_path, sample_path
 from eagle3data.validate.stage import ValidateJob, run as validate
 
 SAMPLES, TOKENS = 6, 96
@@ -228,7 +229,9 @@ def test_a_dropped_store_file_comes_back_from_the_compressed_shard_bit_for_bit(p
     shutil.copytree(packed["zstd"] / "dataset", store / "packed")
     (store / "packed" / "data-00000-of-00001.arrow").rename(store / "packed" / "shard-00000.arrow")
     ids = [r["sample_id"] for r in open_dataset(packed["zstd"] / "dataset")]
-    assert restore_missing(store, store, ids, 4, 128, "bfloat16") == ids
+    restoring = Store(store, store, 0, True,
+                      functools.partial(restore, n_captures=4, hidden_size=128, dtype="bfloat16"))
+    assert restoring.ensure(ids) == ids
     for sid in ids:
         restored, original = (sample_path(d, sid) for d in (store, packed["store"]))
         assert np.array_equal(load_states(str(restored)), load_states(str(original)))

@@ -28,6 +28,7 @@ from conftest import DEMO_CONVERSATIONS, REPO, SNAKEMAKE, demo_config, run_snake
 from safetensors import safe_open
 
 from eagle3data.contracts.layers import eagle3_captures
+from eagle3data import open_dataset
 from eagle3data.validate.reproducibility import dataset_differences
 from eagle3data.config.settings import Settings
 from eagle3data.utils.testing import KILL_ENV
@@ -108,7 +109,7 @@ def dataset(workdir: Path):
 
 def assert_same_dataset(workdir: Path, reference: Path) -> None:
     """The same samples in the same order, with the same tokens and states (the contract: bitwise)."""
-    problems = dataset_differences(workdir / RUN / "dataset", reference / RUN / "dataset")
+    problems = dataset_differences(open_dataset(workdir / RUN / "dataset"), open_dataset(reference / RUN / "dataset"))
     assert not problems, "differs from the uninterrupted run:\n" + "\n".join(problems)
 
 
@@ -338,7 +339,7 @@ def test_engine_settings_rerun_nothing_but_the_captures_rerun_extract(reference_
 
 def test_the_store_key_follows_what_determines_the_data(tiny_deepseek):
     def key(**overrides) -> Path:
-        return Settings(with_defaults(small_config(tiny_deepseek, **overrides))).store_dir
+        return Settings(with_defaults(small_config(tiny_deepseek, **overrides))).store.root
 
     base = key()
     assert key(engine={"batch_samples": 64, "max_num_seqs": 2, "tensor_parallel_size": 2}) == base

@@ -487,6 +487,7 @@ def test_kimi_sample_size_and_whole_input_estimate():
 def test_extract_refuses_to_start_when_the_disk_lacks_room(tiny_deepseek, tmp_path):
     from eagle3data.capture.extract import ExtractJob, run
     from eagle3data.bench.synthetic import random_prompts, write_token_shard
+    from eagle3data.storage.store import Store
 
     write_token_shard(str(tmp_path / "shard.parquet"), random_prompts(3, 50, 500))
     info = read_model_info(tiny_deepseek)
@@ -494,8 +495,8 @@ def test_extract_refuses_to_start_when_the_disk_lacks_room(tiny_deepseek, tmp_pa
     engine = with_defaults({"input": "x.jsonl", "model": {"path": "-"}, "captures": DEMO_CAPTURES,
                             "engine": {"device": "cpu"}})["engine"]
     job = ExtractJob(str(tmp_path / "shard.parquet"), str(tmp_path / "m.parquet"), str(tmp_path / "s.json"),
-                     str(tmp_path / "store"), str(tiny_deepseek), False, expected, 512, engine,
-                     storage={"check_free_space": True, "reserve_gib": 1e9})
+                     Store.at(tmp_path / "store", check_free_space=True, reserve_gib=1e9), str(tiny_deepseek), False,
+                     expected, 512, engine)
     with pytest.raises(disk.DiskSpaceError) as err:
         run(job)
     message = str(err.value)

@@ -77,6 +77,9 @@ def test_no_import_circle_between_modules_or_rooms():
     # compressed files are read through storage.compression).
     for low, allowed in {"utils": set(), "storage": {"utils"}, "contracts": {"utils", "storage"}}.items():
         assert rooms.get(low, set()) <= allowed, f"{low} imports {rooms[low] - allowed}: a lower floor above"
+    # The stages before pack reach the store through its object (storage.store.Store), not the dataset's rooms.
+    for stage in ("capture", "validate"):
+        assert "dataset" not in rooms.get(stage, set()), f"{stage} imports dataset"
 
 
 def test_the_export_commands_that_dataset_cards_name_still_run():

@@ -25,6 +25,7 @@ import pytest
 from conftest import REPO, demo_config, run_snakemake
 from snakemake.profiles import ProfileConfigFileParser
 
+from eagle3data import open_dataset
 from eagle3data.validate.reproducibility import dataset_differences
 from eagle3data.utils.testing import PAUSE_ENV, PAUSED
 
@@ -215,7 +216,8 @@ def test_cancelled_job_reruns_from_the_store(slurm_runs):
 
 @pytest.mark.slow
 def test_dataset_equals_the_local_run(slurm_runs, demo_run):
-    problems = dataset_differences(slurm_runs.workdir / RUN / "dataset", demo_run / RUN / "dataset")
+    problems = dataset_differences(open_dataset(slurm_runs.workdir / RUN / "dataset"),
+                                   open_dataset(demo_run / RUN / "dataset"))
     assert not problems, "\n".join(problems)
 
 

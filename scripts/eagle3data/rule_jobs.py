@@ -9,7 +9,6 @@ from eagle3data.dataset.index import IndexJob, index
 from eagle3data.utils.logs import redirect_output_to
 from eagle3data.dataset.pack import ShardPackJob
 from eagle3data.dataset.pack import pack_shard as pack_one_shard
-from eagle3data.dataset.packed import packed_shard_path, restoring
 from eagle3data.config.settings import Settings
 from eagle3data.validate.stage import ValidateJob
 from eagle3data.validate.stage import run as run_validate
@@ -36,8 +35,7 @@ def validate(sm) -> None:
             sequence=dict(sm.params.sequence),
             policy=sm.params.policy,
             threads=sm.threads,
-            restore_from=restoring(settings.store_dir, sm.config["storage"]),
-            samples_dir=str(settings.samples_dir),
+            store=settings.store,
             read_states=sm.params.read_states,
             parity=_parity_job(sm, settings),
             parity_out=sm.output.parity,
@@ -75,14 +73,12 @@ def pack_shard(sm) -> None:
             quarantined=sm.input.quarantined,
             duplicates=sm.input.duplicates,
             shard=int(sm.wildcards.shard),
-            arrow=str(packed_shard_path(settings.store_dir, sm.wildcards.shard)),
+            arrow=str(settings.store.packed_shard(sm.wildcards.shard)),
             summary=sm.output.summary,
             metadata=settings.dataset_metadata(),
+            store=settings.store,
             dataset=sm.params.dataset,
             dataset_counts=sm.params.counts,
-            storage=dict(sm.config["storage"]),
-            store_dir=str(settings.store_dir),
-            samples_dir=str(settings.samples_dir),
             threads=sm.threads,
         )
     )
@@ -100,7 +96,7 @@ def pack(sm) -> None:
             counts_out=sm.output.counts,
             conversations_in=sm.params.conversations_in,
             metadata={**settings.dataset_metadata(), "parity": _parity_summary(sm.input.parity)},
-            store_dir=str(settings.store_dir),
+            store=settings.store,
         )
     )
 

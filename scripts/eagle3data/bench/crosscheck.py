@@ -84,7 +84,7 @@ def main() -> None:
     from eagle3data.model.info import read_model_info
     from eagle3data.config.settings import engine_config
     from eagle3data.contracts.states import Expected
-    from eagle3data.storage.store import sample_path
+    from eagle3data.storage.store import Store
     from eagle3data.bench.synthetic import random_prompts, write_token_shard
     from eagle3data.contracts.measuring import load_stored
 
@@ -114,12 +114,12 @@ def main() -> None:
     write_token_shard(str(work / "shard.parquet"), prompts)
     engine = engine_config({"device": args.device, **parse_engine_args(args.engine)})
     job = ExtractJob(str(work / "shard.parquet"), str(work / "manifest.parquet"), str(work / "stats.json"),
-                     str(work / "store"), args.model, False, Expected(captures, info.hidden_size, args.dtype),
+                     Store.at(work / "store"), args.model, False, Expected(captures, info.hidden_size, args.dtype),
                      args.tokens, engine)
     run_alone(job)
     rows = []
     for sid in prompts:
-        got = load_stored(str(sample_path(work / "store", sid)))["hidden_states"]  # compressed or raw
+        got = load_stored(str(job.store.path(sid)))["hidden_states"]  # compressed or raw
         rows += compare(sid, got, reference[sid], captures)
     worst = max(rows, key=lambda r: r["rel_error"])
     result = {"model": args.model, "dtype": args.dtype, "device": args.device, "samples": len(prompts),

@@ -131,18 +131,16 @@ def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
     from eagle3data.capture.extract import TIMED_STEPS, ExtractJob, run_alone
     from eagle3data.model.info import read_model_info
     from eagle3data.contracts.states import Expected
-    from eagle3data.storage.store import sample_path
+    from eagle3data.storage.store import Store
     from eagle3data.bench.synthetic import write_token_shard
-    from eagle3data.plan import disk
 
     work = Path(args.work)
     write_token_shard(str(work / "shard.parquet"), prompts)
     info = read_model_info(args.model)
     job = ExtractJob(str(work / "shard.parquet"), str(work / "manifest.parquet"), str(work / "stats.json"),
-                     str(work / "store"), args.model, False, Expected(captures, info.hidden_size, args.dtype),
-                     args.tokens, engine,
-                     storage=disk.storage_defaults())
-    with StoreSampler([sample_path(work / "store", sample_id) for sample_id in prompts]) as sampler:
+                     Store.at(work / "store"), args.model, False, Expected(captures, info.hidden_size, args.dtype),
+                     args.tokens, engine)
+    with StoreSampler([job.store.path(sample_id) for sample_id in prompts]) as sampler:
         stats = run_alone(job)
     files = list((work / "store").rglob("*.safetensors"))
     disk_bytes = sum(f.stat().st_size for f in files)

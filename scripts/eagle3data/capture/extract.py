@@ -1,10 +1,10 @@
 """The `extract` stage: states for every sample of a tokenized shard, reusing finished ones.
 
-Per-sample files live in the store (storage/store.py), outside Snakemake's outputs, so a failed or killed job
-loses nothing: a re-run reads the store, reuses each sample whose file is whole and matches its tokens,
-and starts the engine only if something is left to compute. A sample that fails (its reply or file does
-not match, or `testing.fail_samples` lists it) does not stop the others: its file is removed, and once
-the shard is done the job fails naming every failed sample with its reason, also recorded beside the
+Per-sample files live in the store (the job's `Store`, storage/store.py), outside Snakemake's outputs, so a
+failed or killed job loses nothing: a re-run reads the store, reuses each sample whose file is whole and
+matches its tokens, and starts the engine only if something is left to compute. A sample that fails (its reply
+or file does not match, or `testing.fail_samples` lists it) does not stop the others: its file is removed, and
+once the shard is done the job fails naming every failed sample with its reason, also recorded beside the
 manifest (failed_samples.py). The shard's manifest is written last, only when every sample succeeded.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -25,10 +25,9 @@ from eagle3data.engine import pool as engine_pool
 from eagle3data.capture import failed_samples
 from eagle3data.engine import start as engine_mod
 from eagle3data.utils.logs import get_logger
-from eagle3data.dataset.packed import restore_missing, restoring
 from eagle3data.contracts.schemas import BoundaryError, ExtractManifest, TokenizedShard, check
 from eagle3data.contracts.states import Expected, file_facts, judge_files
-from eagle3data.storage.store import atomic_path, atomic_write_text, make_durable, sample_path, start_syncing
+from eagle3data.storage.store import Store, atomic_path, atomic_write_text, start_syncing
 from eagle3data.utils.testing import kill_point
 from eagle3data.capture.watcher import StatesWatcher
 
@@ -40,21 +39,16 @@ class ExtractJob:
     tokenized: str
     manifest: str
     stats: str
-    store_dir: str
+    store: Store
     model_path: str
     trust_remote_code: bool
     expected: Expected
     max_seq_len: int
     engine: dict
     input_shape: disk.InputShape | None = None  # None: this shard is the whole input
-    storage: dict = field(default_factory=disk.storage_defaults)
     fail_samples: tuple[str, ...] = ()  # testing.fail_samples, a test-only hook (utils/testing.py)
     gpus: int = 0  # the job's `gpu` resource: what an engine server it starts claims
-    samples_dir: str = ""  # where each sample's file goes (Settings.samples_dir); "": the store
     parity_samples: int = 0  # computed samples whose next-token log-probabilities the engine returns
-
-    def __post_init__(self):
-        self.samples_dir = self.samples_dir or self.store_dir
 
     @property
     def run_dir(self) -> Path:
@@ -82,15 +76,12 @@ def check_reply(sample_id: str, reply, expected_path: str) -> None:
 def reuse_or_clear(job: ExtractJob, shard: pd.DataFrame) -> tuple[list, list]:
     """(manifest rows of the samples whose stored file is whole and holds their tokens, rows to compute).
 
-    Files dropped once packed (storage.drop_packed_states) are restored from the packed shards first
-    (dataset/packed.py). A stored file
-    that does not match (tokens changed with max_seq_len or the template, or the file is
+    Files dropped once packed (storage.drop_packed_states) the store gives back first (`Store.ensure`).
+    A stored file that does not match (tokens changed with max_seq_len or the template, or the file is
     damaged) is removed first: the watcher must see only the file the engine writes for this run.
     """
-    paths = {sample_id: sample_path(job.samples_dir, sample_id) for sample_id in shard["sample_id"]}
-    if store := restoring(job.store_dir, job.storage):
-        restore_missing(store, job.samples_dir, shard["sample_id"], len(job.expected.captures),
-                        job.expected.hidden_size, job.expected.dtype)
+    paths = {sample_id: job.store.path(sample_id) for sample_id in shard["sample_id"]}
+    job.store.ensure(shard["sample_id"])
     stored = [row for row in shard.itertuples(index=False) if paths[row.sample_id].exists()]
     problems = judge_files([file_facts(r.sample_id, str(paths[r.sample_id]), r.input_ids) for r in stored], job.expected)
     stored_ids = {row.sample_id for row in stored}
@@ -127,7 +118,7 @@ def run(job: ExtractJob) -> dict:
     failed: dict[str, str] = {}
     steps = dict.fromkeys(TIMED_STEPS, 0.0)
     began = time.perf_counter()
-    make_durable([Path(path) for _, _, path, _ in manifest])  # reused files too: a killed run wrote them
+    job.store.make_durable([Path(path) for _, _, path, _ in manifest])  # reused files too: a killed run wrote them
     steps["durable"] += time.perf_counter() - began
     files_after_generate, engine = 0, {"engine_start_seconds": 0.0}
     log_probs: dict[str, list[float]] = {}
@@ -141,7 +132,7 @@ def run(job: ExtractJob) -> dict:
         message = failed_samples.describe(job.manifest, job.tokenized, failed, len(shard))
         raise failed_samples.SampleFailures(message)
     failed_samples.clear(job.manifest)
-    manifest += [(r.sample_id, r.num_tokens, str(sample_path(job.samples_dir, r.sample_id)), "computed")
+    manifest += [(r.sample_id, r.num_tokens, str(job.store.path(r.sample_id)), "computed")
                  for r in todo]
     seconds = sum(steps.values())
     computed_tokens = int(sum(r.num_tokens for r in todo))
@@ -185,11 +176,7 @@ def check_disk(job: ExtractJob, shard: pd.DataFrame, todo: list) -> None:
                          job.max_seq_len, shape, finished)
     logger.info("shard %s: %s", job.tokenized, size.describe(shape.input_conversations))
     if todo:
-        disk.check_free_space(job.store_dir, size.remaining_bytes, job.storage["reserve_gib"],
-                              job.storage["check_free_space"])
-        if job.samples_dir != job.store_dir:
-            disk.check_free_space(job.samples_dir, size.todo_bytes, job.storage["reserve_gib"],
-                                  job.storage["check_free_space"], "the transport (storage.transport_dir)")
+        job.store.check_room_for_samples(size.remaining_bytes, size.todo_bytes)
 
 
 def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[str, float],
@@ -207,7 +194,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
     engine = engine_pool.acquire(
         engine_mod.engine_kwargs(
             job.model_path, job.expected.captures, job.expected.dtype, job.max_seq_len, job.engine,
-            job.trust_remote_code, os.path.abspath(job.samples_dir),
+            job.trust_remote_code, os.path.abspath(job.store.samples),
         ),
         job.engine["cpu_kv_cache_gib"], [c.__dict__ for c in job.expected.captures], job.engine["keep_alive_s"],
         job.gpus, str(job.run_dir), job.shard_name,
@@ -223,7 +210,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
     stats = engine_stats(engine, waited, ready_at, shards_served)
     logger.info("engine %s on %s: %s", engine.entry.id, engine.entry.node, stats)
     began = time.perf_counter()
-    make_durable(whole, syncing)
+    job.store.make_durable(whole, syncing)
     steps["durable"] += time.perf_counter() - began
     return to_come, stats
 
@@ -255,7 +242,7 @@ def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, 
     with StatesWatcher(job.expected, job.fail_samples) as watcher:
         for start in range(0, len(todo), batch):
             rows = todo[start : start + batch]
-            paths = [sample_path(job.samples_dir, r.sample_id) for r in rows]
+            paths = [job.store.path(r.sample_id) for r in rows]
             prompts = [[int(t) for t in r.input_ids] for r in rows]
             watcher.expect(rows, paths)
             began = time.perf_counter()
@@ -285,7 +272,7 @@ def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, 
     logger.info("%d of %d files were still to come when the last generate() returned; they took %.2f s",
                 to_come, len(todo), steps["files"])
     for sample_id, reasons in problems.items():
-        _fail(sample_id, "\n".join(reasons), sample_path(job.samples_dir, sample_id), failed)
+        _fail(sample_id, "\n".join(reasons), job.store.path(sample_id), failed)
     progress.close()
     return to_come, watcher.whole(), syncing.result()
 

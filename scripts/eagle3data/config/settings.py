@@ -1,4 +1,4 @@
-"""The validated config turned into what the stages need: captures, expectations, store, metadata.
+"""The validated config turned into what the stages need: captures, expectations, the store, metadata.
 
 Rules and scripts build one `Settings` from Snakemake's config (already validated against
 config/schema.yaml), so every stage derives paths and expectations the same way.
@@ -16,7 +16,8 @@ from eagle3data.config.check import ConfigError  # noqa: F401 (defined once, the
 from eagle3data.contracts.layers import capture_metadata, eagle3_captures, parse_captures
 from eagle3data.model.info import ModelInfo, check_expectations, read_model_info
 from eagle3data.contracts.states import Expected
-from eagle3data.storage.store import content_key
+from eagle3data.storage.store import Store, content_key
+from eagle3data.dataset import packed
 from eagle3data.exports.trainers import trainer_settings
 from eagle3data.utils.defaults import SCHEMA, section_defaults
 from eagle3data.utils.defaults import with_schema_defaults  # noqa: F401 (defined once, there; importable from here)
@@ -60,10 +61,15 @@ class Settings:
     def expected(self) -> Expected:
         return Expected(self.captures, self.model.hidden_size, self.dtype)
 
-    @property
-    def store_dir(self) -> Path:
-        """States of this model, capture set and dtype; tokens are checked per file on reuse. Random
-        weights (`engine.load_format: dummy`) are another model: their states get a key of their own."""
+    @functools.cached_property
+    def store(self) -> Store:
+        """The run's store (storage/store.py), which every stage that touches a sample's file takes.
+
+        Its directory holds states of this model, capture set and dtype; tokens are checked per file on
+        reuse. Random weights (`engine.load_format: dummy`) are another model: their states get a key of
+        their own. Each sample's file lives in it, or under storage.transport_dir (a RAM disk of the node:
+        the disk then takes each state byte once, as the packed shard) in a directory of this run and
+        store key. Under storage.drop_packed_states it gives back dropped files from its packed shards."""
         determinants = dict(
             model=self.model.identity,
             captures=[c.name for c in self.captures],
@@ -71,15 +77,13 @@ class Settings:
         )
         if self.config["engine"]["load_format"] == "dummy":
             determinants["weights"] = "dummy"
-        return self.run_dir / "states" / content_key(**determinants)
-
-    @property
-    def samples_dir(self) -> Path:
-        """Where each sample's states file lives: in the store, or under storage.transport_dir (a RAM disk
-        of the node: the disk then takes each state byte once, as the packed shard) in a directory of
-        this run and store key."""
-        transport = self.config["storage"].get("transport_dir")
-        return Path(transport) / self.config["run"] / self.store_dir.name if transport else self.store_dir
+        root = self.run_dir / "states" / content_key(**determinants)
+        storage = self.config["storage"]
+        transport = storage.get("transport_dir")
+        restore = functools.partial(packed.restore, n_captures=len(self.captures), hidden_size=self.model.hidden_size,
+                                    dtype=self.dtype) if storage.get("drop_packed_states") else None
+        return Store(root, Path(transport) / self.config["run"] / root.name if transport else root,
+                     storage["reserve_gib"], storage["check_free_space"], restore)
 
     def dataset_metadata(self) -> dict:
         """What pack writes into the dataset, including the trainer settings that match the captures."""

@@ -27,7 +27,7 @@ from eagle3data.dataset.check import check_dataset
 from eagle3data.utils.logs import get_logger
 from eagle3data.dataset.packed import remove_orphans
 from eagle3data.contracts.schemas import SkippedShard, check
-from eagle3data.storage.store import atomic_path, atomic_write_text
+from eagle3data.storage.store import Store, atomic_path, atomic_write_text
 
 logger = get_logger(__name__)
 
@@ -45,7 +45,7 @@ class IndexJob:
     counts_out: str
     conversations_in: int
     metadata: dict
-    store_dir: str = ""  # its packed shards that no summary names are removed (packed.remove_orphans)
+    store: Store | None = None  # the run's: its packed shards that no summary names go (packed.remove_orphans)
 
 
 def index(job: IndexJob) -> dict:
@@ -60,8 +60,8 @@ def index(job: IndexJob) -> dict:
     summaries = [json.loads(Path(p).read_text()) for p in job.summaries]
     for i, summary in enumerate(summaries):
         _link_or_copy(Path(summary["arrow"]), tmp / f"data-{i:05d}-of-{n:05d}.arrow")
-    if job.store_dir:
-        remove_orphans(job.store_dir, [s["arrow"] for s in summaries])
+    if job.store is not None:
+        remove_orphans(job.store, [s["arrow"] for s in summaries])
     skipped = [check(SkippedShard, pd.read_parquet(p), p) for p in [*job.skipped, *job.quarantined]]
     duplicates = pd.DataFrame([d for s in summaries for d in s["duplicates"]],
                               columns=["sample_id", "source_row", "source_id", "reason"])

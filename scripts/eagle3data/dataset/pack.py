@@ -1,17 +1,17 @@
 """The `pack` stage: each validated shard into one Arrow file as soon as it is validated (rule
 pack_shard), then the Hugging Face dataset as an index over them (rule pack: index.py).
 
-Rule pack_shard streams a shard's states into `states/<key>/packed/shard-NNNNN.arrow` (packed.py says
-why there) with `datasets`' ArrowWriter (memory: one batch of samples), while the engine extracts later
-shards, and under `storage.drop_packed_states` then deletes the store files it packed; rule pack then only hard-links
-those files into the dataset directory, writes its state and info files and renames it into place, so
-the last step after extraction costs seconds, the dataset costs no bytes beside the packed files, and a
-crash never leaves a dataset that looks complete. Every boundary is checked again: each shard's tables
-against their contracts, each states file against the checksums validate recorded (a file changed since
-is refused), the counts (conversations in = packed + skipped, quarantined samples included; a
-conversation that tokenize split into several samples adds each sample after its first to the samples
-in: `split_samples`), and the finished dataset as `check_dataset` sees it. A conversation already packed
-by an earlier shard is recorded as a duplicate (duplicates.py: one table for the run, written after tokenize).
+Rule pack_shard streams a shard's states into `states/<key>/packed/shard-NNNNN.arrow` (packed.py says why
+there) with `datasets`' ArrowWriter (memory: one batch of samples), while the engine extracts later shards,
+and under `storage.drop_packed_states` then has the store drop the files it packed; rule pack then only
+hard-links those files into the dataset directory, writes its state and info files and renames it into place,
+so the last step after extraction costs seconds, the dataset costs no bytes beside the packed files, and a
+crash never leaves a dataset that looks complete. Every boundary is checked again: each shard's tables against
+their contracts, each states file against the checksums validate recorded (a file changed since is refused),
+the counts (conversations in = packed + skipped, quarantined samples included; a conversation that tokenize
+split into several samples adds each sample after its first to the samples in: `split_samples`), and the
+finished dataset as `check_dataset` sees it. A conversation already packed by an earlier shard is recorded as
+a duplicate (duplicates.py: one table for the run, written after tokenize).
 
 Under `storage.compression.codec: zstd` (storage/compression.py) each raw store file (as the engine
 writes them) is compressed by the thread that read it, and its frame checked by decompressing it against
@@ -31,7 +31,7 @@ import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -41,14 +41,13 @@ import pyarrow.parquet as pq
 from datasets.arrow_writer import ArrowWriter
 
 from eagle3data.dataset import format as fmt
-from eagle3data.plan import disk
 from eagle3data.storage.compression import Compression, decode, frame_checksum
 from eagle3data.dataset.duplicates import packed_earlier, write_index
 from eagle3data.contracts.failures import BoundaryError, Failure, show, summary, validate
 from eagle3data.dataset.index import IndexJob, index
 from eagle3data.utils.logs import get_logger
 from eagle3data.utils.overlap import ahead
-from eagle3data.dataset.packed import drop_packed, held_elsewhere, restore_missing, restoring
+from eagle3data.dataset.packed import held_elsewhere
 from eagle3data.contracts.schemas import (
     ManifestEntry,
     SkippedShard,
@@ -60,7 +59,7 @@ from eagle3data.contracts.schemas import (
     states_manifest_contract,
 )
 from eagle3data.contracts.reading import STORAGE, checksum, read_states
-from eagle3data.storage.store import atomic_path, atomic_write_text, start_writeback
+from eagle3data.storage.store import Store, atomic_path, atomic_write_text, start_writeback
 from eagle3data.utils.testing import kill_point
 
 logger = get_logger(__name__)
@@ -85,7 +84,7 @@ class PackJob:
     conversations_in: int
     metadata: dict
     batch_size: int = 32
-    storage: dict = field(default_factory=disk.storage_defaults)
+    store: Store | None = None  # the run's store (its room settings, its dropped files); None: the schema's settings
     threads: int = 1
 
 
@@ -100,16 +99,11 @@ class ShardPackJob:
     arrow: str
     summary: str
     metadata: dict
+    store: Store  # the run's: dropped files come back from it, and go once packed (storage.drop_packed_states)
     dataset: str = ""  # the dataset indexing the shards (with its counts file): outdated once a shard repacks
     dataset_counts: str = ""
     batch_size: int = 32
-    storage: dict = field(default_factory=disk.storage_defaults)
-    store_dir: str = ""  # the run's store: under drop_packed_states files restored and dropped (packed.py)
-    samples_dir: str = ""  # where those files are (Settings.samples_dir); "": the store
     threads: int = 1  # the rule's: samples read, checked and compressed at once
-
-    def __post_init__(self):
-        self.samples_dir = self.samples_dir or self.store_dir
 
 
 def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndarray,
@@ -219,8 +213,9 @@ def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, d
 
 
 def run(job: PackJob) -> dict:
-    check_room(job.states, job.out_dir, job.storage, "the packed dataset")  # before anything is written
     work = Path(job.out_dir).with_name(f".{Path(job.out_dir).name}.shards")
+    store = job.store or Store.at(work)
+    check_room(job.states, job.out_dir, store, "the packed dataset")  # before anything is written
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     duplicates, summaries = str(work / "duplicates.parquet"), []
@@ -228,8 +223,7 @@ def run(job: PackJob) -> dict:
     for i, paths in enumerate(zip(job.tokenized, job.skipped, job.states, job.quarantined)):
         summaries.append(str(work / f"shard-{i:05d}.json"))
         pack_shard(ShardPackJob(*paths, duplicates, i, str(work / f"shard-{i:05d}.arrow"), summaries[-1],
-                                job.metadata, job.out_dir, job.counts_out, job.batch_size, job.storage,
-                                threads=job.threads))
+                                job.metadata, store, job.out_dir, job.counts_out, job.batch_size, job.threads))
     counts = index(IndexJob(summaries, job.skipped, job.quarantined, job.out_dir, job.counts_out,
                             job.conversations_in, job.metadata))
     shutil.rmtree(work)
@@ -247,17 +241,15 @@ def pack_shard(job: ShardPackJob) -> dict:
         # One Blosc2 thread a sample: the job's threads compress that many samples side by side.
         compression = Compression(settings["codec"], settings["level"], 1)
     _remove_outdated(job.dataset, job.dataset_counts)
-    check_room([job.states], job.arrow, job.storage, "the packed shard")
+    check_room([job.states], job.arrow, job.store, "the packed shard")
     began = time.perf_counter()
     manifest_contract = states_manifest_contract(meta["hidden_size"], meta["dtype"])
     captures_contract = sample_states_contract(tuple(c["name"] for c in meta["captures"]))
     tokenized, manifest, quarantined = _checked_shard(job.tokenized, job.states, job.quarantined,
                                                       manifest_contract, captures_contract)
     seen, dup_rows = packed_earlier(job.duplicates, job.shard), []
-    store = restoring(job.store_dir, job.storage)
-    if store:  # only what this shard packs: a duplicate stays with the earlier shard
-        restore_missing(store, job.samples_dir, tokenized.loc[~tokenized["sample_id"].isin(seen), "sample_id"],
-                        len(meta["captures"]), meta["hidden_size"], meta["dtype"])
+    # Only what this shard packs: a duplicate stays with the earlier shard.
+    job.store.ensure(tokenized.loc[~tokenized["sample_id"].isin(seen), "sample_id"])
     skipped = check(SkippedShard, pd.read_parquet(job.skipped), job.skipped)
     split = _split_samples([tokenized, quarantined, skipped])
     packed, nbytes, raw = 0, 0, 0
@@ -285,22 +277,25 @@ def pack_shard(job: ShardPackJob) -> dict:
     logger.info("packed %d samples (%.1f MB of states%s) of %s into %s", packed, raw / 1e6,
                 f", stored in {nbytes / 1e6:.1f} MB with {meta['compression']['codec']}" if compression else "",
                 job.tokenized, job.arrow)
-    if store:
+    if job.store.drops:
         duplicates = {d["sample_id"] for d in dup_rows}  # packed by an earlier shard, maybe not yet
         validated = manifest[manifest["sample_id"].isin(duplicates)].sort_values("slot")
-        held = held_elsewhere(store, validated.groupby("sample_id")["checksum"].agg(list).to_dict(),
+        held = held_elsewhere(job.store, validated.groupby("sample_id")["checksum"].agg(list).to_dict(),
                               len(meta["captures"]), meta["hidden_size"])
-        dropped = drop_packed(job.samples_dir, (set(tokenized["sample_id"]) - duplicates) | set(held))
+        dropped = job.store.drop((set(tokenized["sample_id"]) - duplicates) | set(held))
         logger.info("dropped %d states files from %s: %s holds them (storage.drop_packed_states)",
-                    dropped, job.samples_dir, job.arrow)
+                    dropped, job.store.samples, job.arrow)
         kill_point(f"dropped:{job.arrow}")
     return summary
 
 
 def _remove_outdated(dataset: str, counts: str) -> None:
     """A dataset over shards of which one is packed anew no longer says what the run holds: removed
-    before the shard is packed, counts first (rule pack writes both again). Shard jobs run side by side,
-    so the dataset is first renamed away (only one job wins the rename) and then deleted."""
+    before the shard is packed, counts first (rule pack writes both again). Rule pack owns them, yet only
+    this job can remove them in time: the dataset hard-links the packed shards, so it goes on reading the
+    shard as it was, whole and complete-looking, until pack runs again, which a run stopped in between
+    never does. Shard jobs run side by side, so the dataset is first renamed away (only one job wins the
+    rename) and then deleted."""
     if counts:
         Path(counts).unlink(missing_ok=True)
     if not dataset:
@@ -314,12 +309,12 @@ def _remove_outdated(dataset: str, counts: str) -> None:
     shutil.rmtree(doomed)
 
 
-def check_room(states: list[str], out: str, storage: dict, what: str) -> None:
+def check_room(states: list[str], out: str, store: Store, what: str) -> None:
     """The packed files hold a second copy of every validated state: refuse to start packing on a disk
     that cannot take it."""
     states_bytes = sum(_validated_bytes(p) for p in states)
     logger.info("pack: %.2f GiB of validated states to write into %s", states_bytes / 2**30, out)
-    disk.check_free_space(out, states_bytes, storage["reserve_gib"], storage["check_free_space"], what=what)
+    store.check_room(states_bytes, out, what)
 
 
 def _validated_bytes(manifest: str) -> int:

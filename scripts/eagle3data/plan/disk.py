@@ -9,26 +9,17 @@ no extract manifest yet) and the reserve; `storage.check_free_space: false` turn
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3data.utils.defaults import section_defaults
-from eagle3data.utils.logs import get_logger
+from eagle3data.storage.room import GIB, DiskSpaceError, check_free_space, gib  # noqa: F401 (callers reach them here)
 from eagle3data.plan.shards import conversations_of
 from eagle3data.contracts.dtypes import ITEMSIZES
 from eagle3data.contracts.states import Expected
 
-logger = get_logger(__name__)
-
 HEADER_BYTES = 160  # safetensors length prefix + JSON header for the two tensors (152 measured)
 FACTS_BYTES_PER_CAPTURE = 240  # the validation facts in the header (states.FACTS_KEY): 210-232 measured
 TOKEN_ID_BYTES = 8  # token_ids are int64
-GIB = 1024**3
-
-
-class DiskSpaceError(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -61,9 +52,9 @@ class SizeEstimate:
         return (
             f"expected output: {_mib(self.mean_sample_bytes)} per sample on average "
             f"({_mib(self.max_sample_bytes)} at max_seq_len); this shard {self.samples} samples, "
-            f"{_gib(self.shard_bytes)} ({_gib(self.todo_bytes)} to write); whole input "
-            f"({conversations} conversations) about {_gib(self.input_bytes)}, of which about "
-            f"{_gib(self.remaining_bytes)} is not written yet"
+            f"{gib(self.shard_bytes)} ({gib(self.todo_bytes)} to write); whole input "
+            f"({conversations} conversations) about {gib(self.input_bytes)}, of which about "
+            f"{gib(self.remaining_bytes)} is not written yet"
         )
 
 
@@ -90,40 +81,6 @@ def finished_conversations(manifest: str | Path, plan: tuple[tuple[int, int], ..
     manifest = Path(manifest)
     others = [p.stem.removeprefix("shard-") for p in manifest.parent.glob("shard-*.parquet") if p != manifest]
     return conversations_of(plan, [int(number) for number in others if number.isdigit()])
-
-
-def storage_defaults() -> dict:
-    """The `storage` settings for callers that build jobs by hand (tests, benchmarks): config/schema.yaml's
-    defaults, as the workflow's config holds them."""
-    return section_defaults("storage")
-
-
-def check_free_space(directory: str | Path, needed_bytes: int, reserve_gib: float, enforce: bool,
-                     what: str = "the states store") -> None:
-    """Refuse (or, with enforce False, warn) when the disk of `directory` (`what` writes there) has less
-    than needed + reserve free."""
-    path = Path(directory)
-    while not path.exists():
-        path = path.parent
-    free = shutil.disk_usage(path).free
-    required = needed_bytes + round(reserve_gib * GIB)
-    if free >= required:
-        logger.info("disk: %s free at %s, %s needed (reserve included)", _gib(free), path, _gib(required))
-        return
-    message = (
-        f"disk: {what} {directory} (on the filesystem of {path}) needs {_gib(required)} "
-        f"({_gib(needed_bytes)} still to write + {reserve_gib} GiB reserve), found {_gib(free)} free"
-    )
-    if enforce:
-        raise DiskSpaceError(
-            f"{message}. Free space, put results/ on a larger disk, or set storage.check_free_space: "
-            "false to start anyway."
-        )
-    logger.warning("%s; starting anyway (storage.check_free_space is false)", message)
-
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
 
 
 def _mib(n: float) -> str:
@@ -184,4 +141,4 @@ def _blocks(n: int) -> int:
 
 
 def human_bytes(n: float) -> str:
-    return _gib(n) if n >= GIB / 10 else _mib(n)
+    return gib(n) if n >= GIB / 10 else _mib(n)

@@ -19,6 +19,10 @@ before its manifest, the file that tells Snakemake the shard is done. A process 
 never leaves a file that looks whole; after a power loss before that point, a renamed file may have lost
 its data: ext4 and XFS then show it empty or short, the next run's header check finds it unreadable and
 computes the sample again, and the shard was never marked done.
+
+A run's stages reach its store through one `Store`, built once from the settings
+(`Settings.store`): a sample's path, its dropped files given back, files dropped, the disk's room, the
+files made durable.
 """
 
 from __future__ import annotations
@@ -29,16 +33,100 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3data.storage import room
+from eagle3data.utils.defaults import section_defaults
 from eagle3data.utils.logs import get_logger
 from eagle3data.utils.testing import kill_point
 
 logger = get_logger(__name__)
 
 STATES_SUFFIX = ".safetensors"
+PACKED = "packed"  # the store's directory of packed shards (dataset/packed.py)
+UNLINK_THREADS = 16
+
+
+@dataclass(frozen=True)
+class Store:
+    """One run's store of per-sample states files.
+
+    `root` is the store's directory (`states/<key>`), the packed shards under it; `samples` is where each
+    sample's file lives: the root, or a directory under storage.transport_dir. `restore` gives back, from
+    the packed shards, the files of the samples asked for that are gone (its arguments: this store and
+    those ids; it returns the ids restored): under storage.drop_packed_states only, None otherwise, where a
+    gone file is damage for validate to report. It reads the packed format, a floor above this one, so
+    the settings hand it in."""
+
+    root: Path
+    samples: Path
+    reserve_gib: float
+    check_free_space: bool
+    restore: Callable[[Store, list[str]], list[str]] | None = None
+
+    @classmethod
+    def at(cls, root: str | os.PathLike, **storage) -> Store:
+        """A store whose files live in `root` itself, under the schema's storage settings with `storage`
+        over them, restoring nothing: for what is built by hand (tests, benchmarks)."""
+        settings = section_defaults("storage", storage)
+        return cls(Path(root), Path(root), settings["reserve_gib"], settings["check_free_space"])
+
+    def path(self, sample_id: str) -> Path:
+        return sample_path(self.samples, sample_id)
+
+    @property
+    def packed(self) -> Path:
+        return self.root / PACKED
+
+    def packed_shard(self, shard: str) -> Path:
+        """Where shard `shard` (its five digits) is packed."""
+        return self.packed / f"shard-{shard}.arrow"
+
+    @property
+    def drops(self) -> bool:
+        """Whether a sample's file goes once a durable packed shard holds it (storage.drop_packed_states)."""
+        return self.restore is not None
+
+    def ensure(self, sample_ids: Iterable[str]) -> list[str]:
+        """Give back the dropped files of these samples that a packed shard holds, before a job reads
+        them; the ids restored. What no packed shard holds stays missing: computed or reported as before."""
+        if self.restore is None:
+            return []
+        missing = [s for s in sample_ids if not self.path(s).exists()]
+        return self.restore(self, missing) if missing else []
+
+    def drop(self, sample_ids: Iterable[str]) -> int:
+        """Delete the files of samples that a durable packed shard now holds; how many there were.
+        Several at once: on the H200's disk one unlink of a just-written 16 MB file took ~10 ms, 7 s a shard."""
+        def drop(sample_id: str) -> bool:
+            try:
+                self.path(sample_id).unlink()
+            except FileNotFoundError:
+                return False
+            return True
+
+        with ThreadPoolExecutor(UNLINK_THREADS, thread_name_prefix="eagle3data-drop") as pool:
+            return sum(pool.map(drop, sample_ids))
+
+    def check_room(self, nbytes: int, where: str | os.PathLike | None = None, what: str = "the states store") -> None:
+        """Refuse to start (storage.check_free_space; else warn) when the disk of `where` (the store by
+        default) lacks `nbytes` and storage.reserve_gib."""
+        where = self.root if where is None else where
+        room.check_free_space(where, nbytes, self.reserve_gib, self.check_free_space, what)
+
+    def check_room_for_samples(self, store_bytes: int, sample_bytes: int) -> None:
+        """Room for `store_bytes` in the store, and where a transport directory holds the sample files,
+        room there for this job's `sample_bytes` (they leave it once packed)."""
+        self.check_room(store_bytes)
+        if self.samples != self.root:
+            self.check_room(sample_bytes, self.samples, "the transport (storage.transport_dir)")
+
+    def make_durable(self, paths: list[Path], synced: set[Path] = frozenset()) -> None:
+        """What the engine's writers left to do for these files (`make_durable`), done once."""
+        make_durable(paths, synced)
 
 
 @contextlib.contextmanager

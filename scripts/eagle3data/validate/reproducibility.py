@@ -14,11 +14,9 @@ tell rounding from corruption.
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterable
 
 import torch
-
-from eagle3data.dataset.format import open_dataset
 
 _BITS = {torch.bfloat16: (torch.int16, 0x7FFF), torch.float32: (torch.int32, 0x7FFFFFFF)}
 
@@ -54,11 +52,12 @@ def states_difference(found: torch.Tensor, expected: torch.Tensor) -> str | None
             f"{float(expected[token, slot, column])})")
 
 
-def dataset_differences(found: str | Path, expected: str | Path) -> list[str]:
-    """What differs between two packed datasets under the contract: the same samples in the same order,
-    the same token ids and loss masks, the same states bit for bit. Empty when they are the same."""
+def dataset_differences(found: Iterable[dict], expected: Iterable[dict]) -> list[str]:
+    """What differs between the rows of two packed datasets (as `open_dataset` reads them) under the
+    contract: the same samples in the same order, the same token ids and loss masks, the same states bit
+    for bit. Empty when they are the same."""
     problems = []
-    rows, reference = list(open_dataset(found)), list(open_dataset(expected))
+    rows, reference = list(found), list(expected)
     found_ids, expected_ids = [r["sample_id"] for r in rows], [r["sample_id"] for r in reference]
     if found_ids != expected_ids:
         return [f"samples: expected {expected_ids}, found {found_ids}"]

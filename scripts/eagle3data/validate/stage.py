@@ -31,7 +31,6 @@ from tqdm import tqdm
 
 from eagle3data.contracts.failures import BoundaryError, summary, validate
 from eagle3data.utils.logs import get_logger
-from eagle3data.dataset.packed import restore_missing
 from eagle3data.validate.quarantine import quarantine
 from eagle3data.contracts.schemas import (
     ExtractCoverage,
@@ -45,7 +44,7 @@ from eagle3data.contracts.schemas import (
     tokenized_contract,
 )
 from eagle3data.contracts.states import Expected, file_facts, header_facts
-from eagle3data.storage.store import atomic_path, atomic_write_text
+from eagle3data.storage.store import Store, atomic_path, atomic_write_text
 
 if TYPE_CHECKING:
     from eagle3data.validate.parity import ParityJob
@@ -65,14 +64,10 @@ class ValidateJob:
     sequence: dict
     policy: str = "fail"
     threads: int = 1  # files checked at once
-    restore_from: str = ""  # packed.restoring: the store whose dropped files come back first
-    samples_dir: str = ""  # where they come back (Settings.samples_dir); "": restore_from
+    store: Store | None = None  # the run's store, which gives back dropped files first; None: none comes back
     read_states: bool = False  # measure every file's bytes even where its header holds the written facts
     parity: ParityJob | None = None  # the parity gate (parity.py), its samples filled in here; None: off
     parity_out: str = ""  # its verdict
-
-    def __post_init__(self):
-        self.samples_dir = self.samples_dir or self.restore_from
 
 
 def _tables(job: ValidateJob) -> tuple[pd.DataFrame, pd.DataFrame, list]:
@@ -153,9 +148,8 @@ def run(job: ValidateJob) -> pd.DataFrame:
         todo = extracted.drop_duplicates("sample_id")
         todo = todo[todo["sample_id"].isin(tokenized["sample_id"])
                     & ~todo["sample_id"].isin({f.sample_id for f in table})]
-        if job.restore_from:
-            restore_missing(job.restore_from, job.samples_dir, todo["sample_id"],
-                            len(job.expected.captures), job.expected.hidden_size, job.expected.dtype)
+        if job.store is not None:
+            job.store.ensure(todo["sample_id"])
         manifest, found = _samples(job, tokenized, todo)
     files = [job.tokenized, job.extract_manifest]
     if table or (found and job.policy == "fail"):
