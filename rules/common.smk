@@ -8,7 +8,7 @@ min_version("9.27")
 from eagle3data.utils.problems import stop_on
 from eagle3data.config.run_check import Where, plan_problems, start_problems
 from eagle3data.inputs.conversations import count_conversations
-from eagle3data.plan.memory import validate_mb
+from eagle3data.plan.memory import VALIDATE_BASE_MB, validate_mb
 from eagle3data.plan.shards import plan
 
 # Every problem of the config and the input, told at once in a few lines each, before any job (and in
@@ -46,8 +46,14 @@ EXTRACT_MEM_MB = (
 )
 
 
-# Host memory of one validate job on attempt 1, MB: with the parity gate's reference (plan/memory.py).
-VALIDATE_MEM_MB = validate_mb(config)
+# Host memory of one validate job on attempt 1, MB: with the parity gate's reference in the first
+# parity.reference_shards shards (plan/memory.py).
+VALIDATE_REFERENCE_MEM_MB = validate_mb(config)
+
+
+def validate_mem_mb(wildcards, attempt):
+    reference = int(wildcards.shard) < config["parity"]["reference_shards"]
+    return (VALIDATE_REFERENCE_MEM_MB if reference else VALIDATE_BASE_MB) * attempt
 
 
 # `gpu` counts the GPUs of one node: it caps a local run (--resources gpu=8, profiles/default), never a

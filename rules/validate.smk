@@ -17,7 +17,7 @@ rule validate:
         "../envs/eagle3data.yaml"
     threads: config["validation"]["threads"]
     resources:
-        mem_mb=lambda wildcards, attempt: VALIDATE_MEM_MB * attempt,
+        mem_mb=validate_mem_mb,
     params:
         model=config["model"],
         captures=config["captures"],

@@ -92,7 +92,8 @@ def test_preflight_names_the_model_the_captures_and_what_differs(own_run):
     assert "template   found; renders tool declarations: NO, tool calls: NO, reasoning: NO" in out
     assert "input      " in out and "20 conversations in 1 shards" in out
     assert ("parity     2 samples a shard: the final capture against the engine's next-token log-probabilities; "
-            "4 of 4 captures against transformers' float32 forward of the first 30 layers (0.5 GiB)") in out
+            "in the first 1 shards, 4 of 4 captures against transformers' float32 forward of the first 30 layers "
+            "(0.5 GiB)") in out
     assert "engine     cpu, tensor parallel 1" in out
     assert "settings   all defaults" in out
 

@@ -20,7 +20,7 @@ from eagle3data.model.weights import read_final_norm
 from eagle3data.validate.parity import ParityFailure, ParityJob, gate
 
 
-def witnessed(run: Path, shard: str = "00001") -> tuple[list[tuple[str, str]], dict[str, list[float]]]:
+def witnessed(run: Path, shard: str = "00000") -> tuple[list[tuple[str, str]], dict[str, list[float]]]:
     """The (sample id, states file) pairs of a shard the engine returned log-probabilities for, and those."""
     log_probs = json.loads((run / f"extract/shard-{shard}.stats.json").read_text())["parity_log_probs"]
     paths = pd.read_parquet(run / f"extract/shard-{shard}.parquet").set_index("sample_id")["path"]
@@ -30,7 +30,7 @@ def witnessed(run: Path, shard: str = "00001") -> tuple[list[tuple[str, str]], d
 
 def parity_job(model: Path, samples: list[tuple[str, str]], log_probs: dict) -> ParityJob:
     layers = read_model_info(model).num_hidden_layers
-    return ParityJob(shard="00001", model_path=str(model), trust_remote_code=False,
+    return ParityJob(shard="00000", model_path=str(model), trust_remote_code=False,
                      captures=parse_captures(eagle3_captures(layers), layers), num_hidden_layers=layers,
                      settings=with_defaults(demo_config())["parity"], samples=samples, log_probs=log_probs)
 
@@ -41,14 +41,18 @@ def planted(path: Path, states: torch.Tensor, token_ids: torch.Tensor) -> str:
 
 
 def test_the_demo_run_passes_the_gate_with_room_to_spare(demo_run):
-    """Every shard's verdict: both checks run on two samples, all four captures held against transformers,
-    the numbers at least 5x inside their tolerances; the dataset's metadata and the report carry it."""
+    """Every shard's verdict: the final capture's check on two samples, the first shard's also all four
+    captures against transformers; the numbers well inside their tolerances; the dataset's metadata and
+    the report carry it."""
     run = demo_run / "results" / "demo"
     for verdict in map(json.loads, map(Path.read_text, sorted((run / "validated").glob("*.parity.json")))):
         assert verdict["ok"] and len(verdict["samples"]) == 2, verdict
         final, reference = verdict["final_capture"], verdict["reference"]
-        assert final["status"] == "run" and reference["status"] == "run" and reference["layers"] == 8, verdict
-        assert all(r["median"] <= 0.02 and r["max"] <= 0.2 for r in final["rows"]), final
+        assert final["status"] == "run" and all(r["median"] <= 0.02 and r["max"] <= 0.2 for r in final["rows"]), final
+        if verdict["shard"] != "00000":
+            assert reference["status"] == "first shards only", reference
+            continue
+        assert reference["status"] == "run" and reference["layers"] == 8, reference
         assert len(reference["rows"]) == 8 and all(r["median"] <= 0.07 for r in reference["rows"]), reference
     summary = json.loads((run / "dataset.counts.json").read_text())["parity"]
     assert summary["status"] == "passed" and summary["samples"] == 6 and not summary["not_run"], summary
@@ -98,7 +102,7 @@ def test_each_planted_capture_bug_fails_the_gate_naming_sample_and_capture(demo_
     with pytest.raises(ParityFailure) as failure:
         gate(parity_job(model, [(sample, planted(tmp_path / "planted.safetensors", states, ids))], log_probs))
     screen = str(failure.value)
-    assert f"parity gate of shard 00001 failed" in screen and f"sample {sample}" in screen, screen
+    assert "parity gate of shard 00000 failed" in screen and f"sample {sample}" in screen, screen
     assert check in screen and len(screen.splitlines()) <= 12, screen
 
 
@@ -107,7 +111,7 @@ def test_a_planted_bug_stops_the_run_before_pack(demo_copy):
     pass it): validate run again fails on the gate, its log names the sample and the numbers, and the
     shard is not packed again."""
     run = demo_copy / "results" / "demo"
-    samples, _ = witnessed(run)
+    samples, _ = witnessed(run, "00001")
     sample, path = samples[0]
     stored = load_stored(path)
     Path(path).unlink()

@@ -73,8 +73,10 @@ def _parity(settings: Settings) -> list[str]:
     layers, need, first = reference_layers(settings.model.path, [c.stream_index for c in settings.captures],
                                            parity["reference_memory_gib"] * GIB)
     held = sum(c.stream_index <= layers for c in settings.captures)
-    reference = (f"{held} of {len(settings.captures)} captures against transformers' float32 forward of the "
-                 f"first {layers} layers ({_size(need)})" if layers else
+    reference = (f"in the first {parity['reference_shards']} shards, {held} of {len(settings.captures)} captures "
+                 f"against transformers' float32 forward of the first {layers} layers ({_size(need)})"
+                 if layers and parity["reference_shards"] else "no transformers reference (parity.reference_shards: 0)"
+                 if layers else
                  f"no transformers reference: the first capture's layers take {_size(first)} in float32, "
                  f"parity.reference_memory_gib is {parity['reference_memory_gib']}")
     return [f"parity     {parity['samples_per_shard']} samples a shard: the final capture against the engine's "

@@ -17,9 +17,10 @@ REFERENCE_MARGIN = 1.25  # activations and the loader's copies beside the float3
 
 
 def validate_mb(config: dict) -> int:
-    """A validate job's memory on its first attempt, MB."""
+    """The memory on its first attempt, MB, of a validate job that runs the reference (the first
+    `parity.reference_shards` shards'; the others take VALIDATE_BASE_MB)."""
     parity, model = config["parity"], Path(config["model"]["path"])
-    if not parity["enabled"] or not (model / "config.json").is_file():
+    if not parity["enabled"] or not parity["reference_shards"] or not (model / "config.json").is_file():
         return VALIDATE_BASE_MB
     layers = read_model_info(model).num_hidden_layers
     captures = parse_captures(config["captures"] or eagle3_captures(layers), layers)

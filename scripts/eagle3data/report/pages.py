@@ -66,8 +66,9 @@ def parity_rows(parity: dict) -> list[tuple[str, str]]:
                      f"{final['tolerance']['median']}, {final['tolerance']['max']})"))
     if reference := parity.get("reference"):
         rows.append(("parity: captures vs transformers (first layers)",
-                     f"{', '.join(reference['captures'])} through {reference['layers']} layers: worst median "
-                     f"{reference['worst_median']} (allowed {reference['tolerance']})"))
+                     f"{', '.join(reference['captures'])} through {reference['layers']} layers, in "
+                     f"{reference['shards']} shards: worst median {reference['worst_median']} (allowed "
+                     f"{reference['tolerance']})"))
     rows += [(f"parity: not run: {why}", f"{n} shards") for why, n in parity.get("not_run", {}).items()]
     return rows
 
