@@ -38,7 +38,7 @@ def test_quick_benchmark_prints_and_writes_every_figure(tmp_path):
     report = json.loads(out.read_text())
     assert [(f["figure"], f["name"]) for f in report["figures"]] == list(ASKED.items())
     assert all(isinstance(f["value"], float) for f in report["figures"]) and not report["errors"]
-    assert set(report["measurements"]) == {"planning", "tokenize", "io", "extract", "end_to_end"}
+    assert set(report["measurements"]) == {"planning", "tokenize", "io", "extract", "end_to_end", "parity"}
     # Figure 7's run has several shards and one engine load: the node's engine serves them all.
     end_to_end = report["measurements"]["end_to_end"]
     assert end_to_end["shards"] > 1 and end_to_end["engine_loads"] == 1, end_to_end

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eagle3data.bench import table
 from eagle3data.config import reference
@@ -197,7 +198,8 @@ def test_the_walk_to_a_served_draft_uses_the_acceptance_benchmarks_commands():
         assert flag in serve and flag in inspect.getsource(acceptance_serve.main), flag
     assert f"--max-tokens {acceptance_train.SIZES['quick'].max_tokens}" in " ".join(serve)
     assert "mean_acceptance_length" in walk and "mean_acceptance_length" in inspect.getsource(acceptance_serve)
-    assert (REPO / "resources" / "smollm2-135m").is_dir() and acceptance.DEFAULT_MODEL == "resources/smollm2-135m"
+    built = yaml.safe_load((REPO / "config" / "smollm2.yaml").read_text())["model"]["path"]
+    assert acceptance.DEFAULT_MODEL == built and f"`{built}`" in walk and "config/smollm2.yaml" in walk
 
 
 # The user pages: benchmark vocabulary (figure numbers, arm letters) stays in benchmarks.md.

@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from eagle3data.storage.compression import FRAME_TENSOR
 from eagle3data.plan import disk
+from eagle3data.storage import room
 from eagle3data.engine import start as engine
 from eagle3data.inputs.conversations import normalize_messages
 from eagle3data.model.demo import tiny_deepseek_v3_config
@@ -497,11 +498,11 @@ def test_extract_refuses_to_start_when_the_disk_lacks_room(tiny_deepseek, tmp_pa
     job = ExtractJob(str(tmp_path / "shard.parquet"), str(tmp_path / "m.parquet"), str(tmp_path / "s.json"),
                      Store.at(tmp_path / "store", check_free_space=True, reserve_gib=1e9), str(tiny_deepseek), False,
                      expected, 512, engine)
-    with pytest.raises(disk.DiskSpaceError) as err:
+    with pytest.raises(room.DiskSpaceError) as err:
         run(job)
     message = str(err.value)
     assert str(tmp_path / "store") in message and "storage.check_free_space: false" in message
     assert "found" in message and "needs" in message
     assert not (tmp_path / "m.parquet").exists()
     # With the check off, the same shortage is only a warning.
-    disk.check_free_space(tmp_path / "store", 10**18, 0, enforce=False)
+    room.check_free_space(tmp_path / "store", 10**18, 0, enforce=False)

@@ -7,7 +7,7 @@ import re
 
 from conftest import REPO, demo_config, with_defaults
 
-from eagle3data.bench import table
+from eagle3data.plan import measured
 from eagle3data.config import preflight
 from eagle3data.plan.disk import ExportShape, describe_export
 
@@ -35,7 +35,7 @@ def test_each_enabled_export_states_its_cost_and_a_measured_run_times_the_demo(t
         assert line.split(" adds about ")[1].split(" (")[0] == expected.split(" adds about ")[1].split(" (")[0]
     assert "the exports and reserve_gib" in text
     # The demo's shape on a CPU was measured (the 2-core CPU benchmark): a time, from that run's rate.
-    rate = table.measured_rate("cpu", {"hidden_size": 128, "num_hidden_layers": 8, "intermediate_size": 256}, 1)
+    rate = measured.measured_rate("cpu", {"hidden_size": 128, "num_hidden_layers": 8, "intermediate_size": 256}, 1)
     line = next(line for line in text.splitlines() if line.startswith("time "))
     assert f"{rate.dataset_tps:,.0f} tok/s" in line and rate.hardware in line and rate.file in line
 
@@ -47,11 +47,11 @@ def test_no_time_without_a_measurement_of_that_shape_and_parallelism(tiny_deepse
 
 
 def test_measured_rates_support_only_the_shape_machine_and_tp_measured():
-    h100 = table.measured_rate("NVIDIA H100 80GB HBM3", LLAMA_8B, 1)
+    h100 = measured.measured_rate("NVIDIA H100 80GB HBM3", LLAMA_8B, 1)
     assert h100.hardware == "1x H100, dummy weights, zstd" and h100.tokens > 1_000_000
-    assert table.measured_rate("NVIDIA H200", LLAMA_8B, 1, "none").hardware == "1x H200, dummy weights, raw"
-    assert table.measured_rate("NVIDIA H100 80GB HBM3", LLAMA_8B, 8) is None  # TP8: never measured
-    assert table.measured_rate("NVIDIA A100", LLAMA_8B, 1) is None
+    assert measured.measured_rate("NVIDIA H200", LLAMA_8B, 1, "none").hardware == "1x H200, dummy weights, raw"
+    assert measured.measured_rate("NVIDIA H100 80GB HBM3", LLAMA_8B, 8) is None  # TP8: never measured
+    assert measured.measured_rate("NVIDIA A100", LLAMA_8B, 1) is None
     kimi = {"hidden_size": 7168, "num_hidden_layers": 61, "intermediate_size": 18432}
-    assert table.measured_rate("NVIDIA H200", kimi, 1) is None
-    assert table.measured_rate("cpu", LLAMA_8B, 1) is None
+    assert measured.measured_rate("NVIDIA H200", kimi, 1) is None
+    assert measured.measured_rate("cpu", LLAMA_8B, 1) is None

@@ -239,12 +239,13 @@ RUNNER = textwrap.dedent(
     import json, sys
     from eagle3data.capture.extract import ExtractJob, run
     from eagle3data.contracts.layers import parse_captures
+    from eagle3data.storage.store import Store
     from eagle3data.contracts.states import Expected
 
     if __name__ == "__main__":
         a = json.loads(sys.argv[1])
         captures = parse_captures(a["captures"], 30)
-        run(ExtractJob(a["shard"], a["manifest"], a["stats"], a["store"], a["model"], False,
+        run(ExtractJob(a["shard"], a["manifest"], a["stats"], Store.at(a["store"]), a["model"], False,
                        Expected(captures, 576, "float32"), 256, a["engine"]))
     """
 )
@@ -299,3 +300,33 @@ def test_converted_checkpoint_answers_sensibly(smollm2, reference):
     out = reference.generate(ids, max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(out[0, ids.shape[1]:])
     assert "Paris" in answer, answer
+
+
+def test_the_real_model_passes_the_parity_gate_and_a_post_norm_final_state_fails_it(smollm2_run, smollm2, tmp_path):
+    """The run's verdicts: both checks ran, every capture held against transformers through all 30 layers
+    (the whole model fits the default bound), the numbers well inside the tolerances. A final state taken
+    after the final norm is caught by the log-probabilities alone (no reference: as on a model too large
+    for one), unlike on the demo, whose final norm weights are all 1."""
+    from eagle3data.contracts.measuring import facts_header, load_stored, save_states
+    from eagle3data.model.weights import read_final_norm
+    from eagle3data.validate.parity import ParityFailure, ParityJob, gate
+
+    verdicts = [json.loads(p.read_text()) for p in sorted((smollm2_run / "validated").glob("*.parity.json"))]
+    assert verdicts and all(v["ok"] and v["reference"]["layers"] == 30 for v in verdicts), verdicts
+    finals = [row for v in verdicts for row in v["final_capture"]["rows"]]
+    assert finals and all(r["median"] <= 0.03 and r["max"] <= 0.3 for r in finals), finals
+    assert all(r["median"] <= 0.05 for v in verdicts for r in v["reference"]["rows"]), verdicts
+    stats = json.loads((smollm2_run / "extract" / "shard-00000.stats.json").read_text())
+    sample = next(iter(stats["parity_log_probs"]))
+    stored = load_stored(str(smollm2_run.parents[1] / pd.read_parquet(smollm2_run / "extract" / "shard-00000.parquet")
+                             .set_index("sample_id").loc[sample, "path"]))
+    states = stored["hidden_states"].clone()
+    states[:, -1] = read_final_norm(smollm2)(states[:, -1])
+    planted = tmp_path / "post-norm.safetensors"
+    save_states(str(planted), states, stored["token_ids"], facts_header(states))
+    settings = {**with_defaults(smollm2_config(smollm2))["parity"], "reference_memory_gib": 0}
+    job = ParityJob(shard="00000", model_path=str(smollm2), trust_remote_code=False, captures=CAPTURES,
+                    num_hidden_layers=30, settings=settings, samples=[(sample, str(planted))],
+                    log_probs=stats["parity_log_probs"])
+    with pytest.raises(ParityFailure, match=f"sample {sample}, capture layer29_output: through the final norm"):
+        gate(job)

@@ -227,8 +227,8 @@ def test_pack_rechecks_the_validated_manifest(demo_copy):
 
 
 def test_pack_refuses_to_start_when_the_disk_lacks_room_for_the_dataset(demo_run, tmp_path):
-    from eagle3data.plan import disk
     from eagle3data.dataset.pack import PackJob, run
+    from eagle3data.storage.room import DiskSpaceError
     from eagle3data.storage.store import Store
 
     run_dir = demo_run / RUN
@@ -240,7 +240,7 @@ def test_pack_refuses_to_start_when_the_disk_lacks_room_for_the_dataset(demo_run
                   out_dir=str(tmp_path / "dataset"), counts_out=str(tmp_path / "dataset.counts.json"),
                   conversations_in=0, metadata=Settings(with_defaults(demo_config())).dataset_metadata(),
                   store=Store.at(tmp_path / "store", check_free_space=True, reserve_gib=1e9))
-    with pytest.raises(disk.DiskSpaceError) as err:
+    with pytest.raises(DiskSpaceError) as err:
         run(job)
     states_bytes = sum(int(pd.read_parquet(p)["nbytes"].sum()) for p in validated)
     assert states_bytes > 0

@@ -4,6 +4,4 @@ Each figure measures a stage against its own limit in one run (see docs/benchmar
 compares the pipeline's captured states with transformers' on a GPU machine.
 """
 
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[3]  # the checkout: config/, data/ and the Snakefile the benchmarks run
+from eagle3data.utils.checkout import REPO  # noqa: F401 (the benchmarks import it from here)

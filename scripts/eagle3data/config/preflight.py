@@ -22,6 +22,7 @@ from eagle3data.model.weights import reference_layers
 from eagle3data.plan.disk import ExportShape, describe_export, export_bytes, sample_bytes
 from eagle3data.utils.problems import Problem
 from eagle3data.config.settings import Settings, engine_device, with_schema_defaults
+from eagle3data.plan import measured
 from eagle3data.plan.shards import plan
 from eagle3data.inputs.tokenization import load_tokenizer, tokenize_records
 
@@ -137,7 +138,7 @@ def _exports(settings: Settings, sizes: dict) -> tuple[float, list[str]]:
     states' raw bytes and the stored ratio measured on real states), and its bytes together."""
     config, lines, total = settings.config, [], 0.0
     compressed = config["storage"]["compression"]["codec"] != "none"
-    dataset = sizes["states"] * (stored_ratio() if compressed else 1.0)
+    dataset = sizes["states"] * (measured.stored_ratio() if compressed else 1.0)
     for trainer in ("speculators", "specforge"):
         export = config["export"][trainer]
         if not export["enabled"]:
@@ -151,13 +152,6 @@ def _exports(settings: Settings, sizes: dict) -> tuple[float, list[str]]:
         lines.append(f"export     {describe_export(trainer, export['states'], shape, round(dataset), linked)}"
                      .replace("disk: the ", ""))
     return total, lines
-
-
-def stored_ratio() -> float:
-    """The packed dataset's bytes / raw bytes of real states, compressed (the worst run measured)."""
-    from eagle3data.bench import table
-
-    return table.stored_ratio()
 
 
 def _disk(settings: Settings, sizes: dict) -> tuple[list[str], list[Problem]]:
@@ -195,10 +189,8 @@ def _engine(config: dict) -> list[str]:
 
 
 def _time(settings: Settings, sizes: dict) -> list[str]:
-    """A time to the packed dataset where a measured run supports it (bench.table.measured_rate: the same
+    """A time to the packed dataset where a measured run supports it (plan.measured.measured_rate: the same
     model shape at TP1 on the same kind of machine), else why there is none."""
-    from eagle3data.bench import table
-
     engine = settings.config["engine"]
     device = "cpu"
     if engine["device"] == "cuda":
@@ -207,7 +199,7 @@ def _time(settings: Settings, sizes: dict) -> list[str]:
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU visible"
     shape = json.loads((Path(settings.model.path) / "config.json").read_text())
     shape = shape.get("text_config", shape)
-    rate = table.measured_rate(device, shape, engine["tensor_parallel_size"],
+    rate = measured.measured_rate(device, shape, engine["tensor_parallel_size"],
                                settings.config["storage"]["compression"]["codec"])
     if rate is None:
         return [f"time       not estimated: nothing measured supports it for this model (hidden "

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[3]
+from eagle3data.utils.checkout import REPO
+
 SCHEMA = REPO / "config" / "schema.yaml"
 PAGE = REPO / "docs" / "configuration.md"
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from eagle3data.dataset.format import IntegrityError, PackedDataset, open_dataset, torch_dtype, verifying
 from eagle3data.plan import disk
+from eagle3data.storage import room
 from eagle3data.storage.store import atomic_path
 from eagle3data.utils.logs import get_logger
 from eagle3data.exports.trainers import ExportRefused, Layout
@@ -203,7 +204,7 @@ def plan_disk(ds: PackedDataset, trainer: str, states: str, shape: disk.ExportSh
     storage = {"reserve_gib": 0, "check_free_space": True, **(storage or {})}
     dataset_bytes = own_bytes(ds.path)
     logger.info("%s", disk.describe_export(trainer, states, shape, dataset_bytes, linked))
-    disk.check_free_space(Path(out).resolve().parent, disk.export_bytes(trainer, states, shape, linked),
+    room.check_free_space(Path(out).resolve().parent, disk.export_bytes(trainer, states, shape, linked),
                           storage["reserve_gib"], storage["check_free_space"], f"the {trainer} export")
     return dataset_bytes
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3data.storage.room import GIB, DiskSpaceError, check_free_space, gib  # noqa: F401 (callers reach them here)
+from eagle3data.storage.room import GIB, gib
 from eagle3data.plan.shards import conversations_of
 from eagle3data.contracts.dtypes import ITEMSIZES
 from eagle3data.contracts.states import Expected

@@ -1,12 +1,16 @@
 """Host memory a validate job declares (its `mem_mb`, what SLURM allocates): the job's own needs plus
 the parity gate's float32 reference of the checkpoint's first layers, which for a model of a few billion
-parameters is most of it. Planned from the checkpoint's safetensors headers, before any job starts; a
-model a rule builds (the demo) is small and not there yet: the base alone."""
+parameters is most of it. Planned from the checkpoint's safetensors headers when the workflow is read; a
+model a rule builds (the demo) is small and not there yet: the base alone. So is a checkpoint or a
+capture list the start's checks refuse (config.run_check.model_problems, in a screen before any job):
+planning does not pre-empt them with a traceback."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 from eagle3data.contracts.layers import eagle3_captures, parse_captures
 from eagle3data.model.info import read_model_info
@@ -22,8 +26,11 @@ def validate_mb(config: dict) -> int:
     parity, model = config["parity"], Path(config["model"]["path"])
     if not parity["enabled"] or not parity["reference_shards"] or not (model / "config.json").is_file():
         return VALIDATE_BASE_MB
-    layers = read_model_info(model).num_hidden_layers
-    captures = parse_captures(config["captures"] or eagle3_captures(layers), layers)
-    _, need, _ = reference_layers(model, [c.stream_index for c in captures],
-                                  parity["reference_memory_gib"] * 2**30)
+    try:
+        layers = read_model_info(model).num_hidden_layers
+        captures = parse_captures(config["captures"] or eagle3_captures(layers), layers)
+        _, need, _ = reference_layers(model, [c.stream_index for c in captures],
+                                      parity["reference_memory_gib"] * 2**30)
+    except (ValueError, LookupError, OSError, SafetensorError):  # told by the start's checks
+        return VALIDATE_BASE_MB
     return VALIDATE_BASE_MB + math.ceil(need * REFERENCE_MARGIN / 1e6)

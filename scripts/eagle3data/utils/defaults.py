@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SCHEMA = Path(__file__).resolve().parents[3] / "config" / "schema.yaml"
+from eagle3data.utils.checkout import REPO
+
+SCHEMA = REPO / "config" / "schema.yaml"
 
 
 def with_schema_defaults(config: dict, schema: str | Path = SCHEMA) -> dict:
