@@ -81,6 +81,11 @@ def test_dataset_card_states_each_trainers_settings(demo_run):
     card = (dataset / "README.md").read_text()
     assert "`--target-layer-ids 2 4 5`" in card and "`model.aux_hidden_state_layer_ids: [1, 3, 4]`" in card
     assert "before the final norm" in card and "after the final norm" in card and "Hidden size 128" in card
+    # What a receiver can check: the run's parity verdict with its numbers, and the full byte check.
+    parity = open_dataset(dataset).metadata["parity"]
+    assert f"- Parity gate: passed, {parity['samples']} samples of 3 shards" in card
+    assert f"worst median error {parity['final_capture']['worst_median']}" in card
+    assert "python -m eagle3data.dataset.check --full DIR" in card
 
 
 def test_exports_are_rules_outside_the_default_target_until_enabled(demo_run, exported):

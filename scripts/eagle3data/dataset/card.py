@@ -3,7 +3,9 @@
 Written by `pack` from the dataset's metadata, whose `trainers` key (see `trainers.trainer_settings`)
 holds, per trainer, the settings that match the data: layer ids in that trainer's own convention, which
 final state it gets (before or after the final norm), hidden size and dtype, or why it cannot use the
-data. The card renders the same facts for people; docs/training.md has the full commands.
+data. The card renders the same facts for people, with what a receiver can check: the parity gate's verdict
+(the states held against the checkpoint when they were made) and how to verify every byte after a copy;
+docs/training.md has the full commands.
 """
 
 from __future__ import annotations
@@ -45,6 +47,30 @@ def _specforge(s: dict) -> list[str]:
     ]
 
 
+def _checks(parity: dict) -> list[str]:
+    lines = ["## Checks", ""]
+    if parity.get("status") == "off":
+        lines.append("- Parity gate: off for this run (`parity.enabled: false`): the states were not held "
+                     "against the checkpoint.")
+    else:
+        lines.append(f"- Parity gate: {parity['status']}, {parity['samples']} samples of {parity['shards']} "
+                     "shards held against the checkpoint.")
+        final, reference = parity.get("final_capture"), parity.get("reference")
+        if final:
+            lines.append(f"  The final capture through the final norm and head against the engine's next-token "
+                         f"log-probabilities: worst median error {final['worst_median']}, worst single "
+                         f"{final['worst_max']} (tolerances {final['tolerance']['median']}, "
+                         f"{final['tolerance']['max']}).")
+        if reference:
+            lines.append(f"  {', '.join(f'`{c}`' for c in reference['captures'])} against transformers' float32 "
+                         f"forward of the first {reference['layers']} layers: worst median relative error "
+                         f"{reference['worst_median']} (tolerance {reference['tolerance']}).")
+        lines += [f"  Not run: {why} ({n} shards)." for why, n in parity.get("not_run", {}).items()]
+    lines.append("- Every row carries CRC-32s of its states and tokens; the readers verify them as they read. "
+                 "After a copy, `python -m eagle3data.dataset.check --full DIR` verifies every byte.")
+    return lines
+
+
 def render_card(metadata: dict) -> str:
     model, counts = metadata["model"], metadata["counts"]
     lines = [
@@ -59,6 +85,8 @@ def render_card(metadata: dict) -> str:
         "## Hidden states (slot order; no final norm applied to any slot)",
         "",
         *_captures_table(metadata),
+        "",
+        *_checks(metadata.get("parity", {"status": "off"})),
         "",
         "## Matching trainer settings",
     ]
