@@ -3,5 +3,3 @@
 Each figure measures a stage against its own limit in one run (see docs/benchmarks.md); the crosscheck
 compares the pipeline's captured states with transformers' on a GPU machine.
 """
-
-from eagle3data.utils.checkout import REPO  # noqa: F401 (the benchmarks import it from here)

@@ -20,7 +20,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from eagle3data.bench import REPO
+from eagle3data.utils.checkout import REPO
 
 CAPTURES = [{"layer": 2, "point": "input"}, {"layer": 15, "point": "input"},
             {"layer": 27, "point": "input"}, {"layer": 29, "point": "output"}]

@@ -25,7 +25,7 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from eagle3data.bench import REPO
+from eagle3data.utils.checkout import REPO
 from eagle3data.bench.crosscheck import parse_capture_arg, parse_engine_args
 
 DEMO_MODEL = "resources/demo-model"

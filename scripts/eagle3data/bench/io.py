@@ -30,7 +30,7 @@ import pandas as pd
 import torch
 import yaml
 
-from eagle3data.bench import REPO
+from eagle3data.utils.checkout import REPO
 from eagle3data.contracts.schemas import ExtractManifest, SkippedShard, check
 from eagle3data.config.settings import Settings
 from eagle3data.contracts.measuring import facts_header, save_states

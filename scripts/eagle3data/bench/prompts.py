@@ -15,7 +15,7 @@ import json
 import random
 from dataclasses import dataclass
 
-from eagle3data.bench import REPO
+from eagle3data.utils.checkout import REPO
 
 LISTS = REPO / "data" / "acceptance"
 

@@ -22,7 +22,7 @@ import pandas as pd
 import pyarrow.compute as pc
 import yaml
 
-from eagle3data.bench import REPO
+from eagle3data.utils.checkout import REPO
 from eagle3data.inputs.conversations import normalize_messages
 from eagle3data.config.settings import engine_config
 from eagle3data.inputs.tokenization import tokenize_shard

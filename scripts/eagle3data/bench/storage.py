@@ -39,7 +39,7 @@ from pathlib import Path
 
 import yaml
 
-from eagle3data.bench import REPO
+from eagle3data.utils.checkout import REPO
 
 SMOLLM2 = "resources/smollm2-135m"
 VERIFY_PASSES = 5  # passes of each reader verified and unverified, alternating: the cost is a few %

@@ -28,9 +28,9 @@ import re
 import sys
 from pathlib import Path
 
-from eagle3data.bench import REPO
+from eagle3data.utils.checkout import REPO
 from eagle3data.plan.measured import (CPU, INDEX, MEASUREMENTS, Row, RunRate, current, load, read_index,
-                                      run_rates)
+                                      run_rates, stored_ratio)
 
 BENCHMARKS = REPO / "docs" / "benchmarks.md"
 README = REPO / "README.md"
@@ -247,7 +247,7 @@ H100_REAL = "1x H100, random normal(0, 0.02) weights"
 # NAME -> (what it quotes, how): every number the documentation quotes from a measurement.
 QUOTES = {
     "states-ratio": ("figure 6, the worst run: the packed dataset's bytes / raw bf16 bytes of real states",
-                     lambda cur: f"{_values(cur, CPU, '6')[0]:.2f}"),
+                     lambda cur: f"{stored_ratio(cur):.2f}"),
     "reader-gbps": ("figure 12's runs: GB/s of states through speculators' reader on 2 cores",
                     lambda cur: _span(_values(cur, CPU, "12"))),
     "verify-ratio": ("figure 12v's runs: the reader verifying / not",
@@ -307,7 +307,7 @@ def expectations(rows: list[Row]) -> str:
     lines += ["", f"States of real entropy (a random-normal 8B checkpoint: {runs[0]['machine']}) through the extract "
               f"stage alone, raw files: {extract[0]:,.0f}-{extract[-1]:,.0f} tok/s, bare prefill "
               f"{bare[0]:,.0f}-{bare[-1]:,.0f} tok/s ({len(runs)} runs, {link(real[0].file, 'measurements/')})."]
-    ratio = _values(cur, CPU, "6")[0]
+    ratio = stored_ratio(cur)
     lines += ["", f"States per token, 4 captures in bf16, raw and stored with zstd (the default) at {ratio:.3f} of "
               "their bytes (the storage benchmark's worst run, real SmolLM2-135M-Instruct states):", "",
               "| model | hidden | raw bytes a token | stored bytes a token | GB per million tokens stored |",

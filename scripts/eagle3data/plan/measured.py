@@ -144,7 +144,7 @@ def measured_rate(device: str, model: dict, tensor_parallel: int, codec: str = "
     return min(fits, key=lambda r: r.dataset_tps, default=None)
 
 
-def stored_ratio() -> float:
+def stored_ratio(cur: dict[tuple[str, str], list[Row]] | None = None) -> float:
     """The packed dataset's bytes / raw bytes of real states with zstd: figure 6's worst (largest) current
-    run on the CPU, where the storage benchmark runs."""
-    return max(r.value for r in current(read_index())[(CPU, "6")])
+    run on the CPU, where the storage benchmark runs; `cur` (from current()) or else the index on disk."""
+    return max(r.value for r in (cur or current(read_index()))[(CPU, "6")])
