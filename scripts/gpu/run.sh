@@ -108,7 +108,8 @@ case "$what" in
             # or on the checkpoint load-prepare wrote (FIGURE_MODEL=/tmp/llama-8b-weights: states of real entropy;
             # CAPTURES for another shape); figure 1's prompts (FIGURE1_PROMPTS, 2048), figure 7's shards
             # (FIGURE7_SHARDS, 8) and its extract jobs side by side (JOBS_PER_ENGINE, 2), the states' codecs
-            # (CODEC, zstd,none: figure 1 for each side by side, figure 7 with the first), TAG names the JSON
+            # (CODEC, zstd,none: figure 1 for each side by side, figure 7 with the first), TAG names the JSON;
+            # FIGURES a subset (e.g. 7,7d,7w,7t: figure 7 alone, no figure 1 engines)
     step "figures 1,7 (${FIGURE_MODEL:-dummy weights}, ${CODEC:-zstd,none})"
     model=${FIGURE_MODEL:-/tmp/llama-8b} engine=(max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512)
     if [[ -z ${FIGURE_MODEL:-} ]]; then
@@ -121,7 +122,7 @@ case "$what" in
     cat /proc/sys/vm/dirty_ratio /proc/sys/vm/dirty_background_ratio > "$OUT/vmstat-figures.txt"
     (while :; do echo "$(date -u +%T) $(vmstat 1 2 | tail -1) $(grep -E '^(Dirty|Writeback):' /proc/meminfo | tr -s ' ' | tr '\n' ' ')"; done >> "$OUT/vmstat-figures.txt") &
     vmstat_pid=$!
-    timeout "${FIGURES_TIMEOUT:-570}" python3 -m eagle3data.bench --figures 1,7,7d,7w,7t --device cuda --model "$model" \
+    timeout "${FIGURES_TIMEOUT:-570}" python3 -m eagle3data.bench --figures "${FIGURES:-1,7,7d,7w,7t}" --device cuda --model "$model" \
       --captures "${CAPTURES:-2:input,16:input,29:input,31:output}" --prompts "${FIGURE1_PROMPTS:-2048}" --tokens 512 \
       --conversations 6144 --shards "${FIGURE7_SHARDS:-8}" --weights "$weights" \
       --jobs-per-engine "${JOBS_PER_ENGINE:-2}" --transport-dir "${TRANSPORT_DIR:-}" --codec "${CODEC:-zstd,none}" \
