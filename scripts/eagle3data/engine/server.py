@@ -120,7 +120,8 @@ class Server:
             self.entry.owner = request.owner
             faults.forget()
         self.shards += 1
-        logger.info("engine %s: serving %s (shard %d of this engine)", self.entry.id, request.shard, self.shards)
+        logger.info("engine %s: serving %s (shard %d of this engine)", self.entry.id, request.shard,
+                    self.shards)
 
     def _generate(self, token_ids: list[list[int]], paths: list[str], log_probs: list[bool]) -> tuple:
         """("ok", kv_transfer_params per prompt, this request's lines of the server log, the engine's

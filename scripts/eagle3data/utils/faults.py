@@ -55,13 +55,15 @@ class Injected(RuntimeError):
 
 
 class Fault(NamedTuple):
+    """One `<action>@<pattern>#<nth>` item; it also keys the count of matching points reached."""
+
     action: str
     pattern: str
     nth: int
 
 
 @functools.lru_cache(maxsize=4)
-def parse(spec: str) -> tuple[Fault, ...]:
+def _parse(spec: str) -> tuple[Fault, ...]:
     """The faults of an EAGLE3DATA_FAULTS value; a malformed one is refused, not ignored."""
     faults = []
     for item in filter(None, (part.strip() for part in spec.split(";"))):
@@ -79,7 +81,7 @@ def point(name: str) -> None:
     spec = os.environ.get(ENV)
     if not spec:
         return
-    for fault in parse(spec):
+    for fault in _parse(spec):
         if fnmatch.fnmatchcase(name, fault.pattern):
             _reached[fault] += 1
             if _reached[fault] == fault.nth:
