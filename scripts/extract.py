@@ -18,7 +18,7 @@ if __name__ == "__main__":
     settings = Settings(dict(sm.config))
     start, stop = sm.params.rows
     # Read at run time, not passed as params: a growing input, engine or storage settings (which do not
-    # change the data) and the test-only hooks must not re-run finished jobs.
+    # change the data) must not re-run finished jobs.
     conversations = count_conversations(sm.config["input"])
     rows = plan(conversations, sm.config["shard_size"])
     shape = InputShape(stop - start, conversations, tuple(rows))
@@ -34,7 +34,6 @@ if __name__ == "__main__":
             max_seq_len=sm.params.sequence["max_seq_len"],
             engine=dict(sm.config["engine"]),
             input_shape=shape,
-            fail_samples=tuple(sm.config["testing"]["fail_samples"]),
             parity_samples=sm.config["parity"]["samples_per_shard"] if sm.config["parity"]["enabled"] else 0,
             gpus=sm.resources.gpu,
         )

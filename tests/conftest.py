@@ -85,9 +85,9 @@ def demo_config(**overrides) -> dict:
 
 
 def run_snakemake(workdir: Path, *args: str, config: dict | None = None, check: bool = True,
-                  timeout: int = 1200) -> subprocess.CompletedProcess:
+                  timeout: int = 1200, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the real workflow in `workdir` (results/ land there) with `config`, or with the config an
-    earlier call wrote there."""
+    earlier call wrote there; `env` adds to this process's environment (the jobs inherit it)."""
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2"]
     config_file = workdir / "test-config.yaml"
@@ -96,7 +96,7 @@ def run_snakemake(workdir: Path, *args: str, config: dict | None = None, check: 
     if config_file.exists():  # later runs in the same directory reuse its config
         cmd += ["--configfile", str(config_file)]
     proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=workdir, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          cwd=workdir, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc

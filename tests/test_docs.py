@@ -100,7 +100,7 @@ def test_the_grep_finds_what_it_must():
         assert HISTORY[what].search(line), line
     assert MACHINE_PATH_DOCS.search("python x.py --model /tmp/llama")
     assert MACHINE_PATH.search("flags from /work/shared/notes")
-    for line in ("a session of its own (os.setsid)", '@pytest.fixture(scope="session")', "EAGLE3DATA_TEST_KILL_AT=extract#2",
+    for line in ("a session of its own (os.setsid)", '@pytest.fixture(scope="session")', "EAGLE3DATA_FAULTS=kill@extract:batch_done#2",
                  "docs/measurements/2026-12-01-h200-figure1-default.json", "/dev/shm/eagle3data"):
         assert not any(p.search(line) for p in HISTORY.values()), line
         assert not MACHINE_PATH_DOCS.search(line), line

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from conftest import REPO, SNAKEMAKE, demo_config
-from eagle3data.utils.testing import PAUSE_ENV
+from eagle3data.utils import faults
 
 REGENERATED = "results/demo/regenerated/shard-00000.jsonl"
 EXTRACTED = "results/demo/extract/shard-00000.parquet"
@@ -180,7 +180,7 @@ def kill_extract_job(tiny_deepseek: Path, workdir: Path, sig: signal.Signals) ->
     """The job pauses after its first batch (test hook), holding its engine server; killed there, its
     run fails and ends, and the server it started, now idle and without a run, stops after its idle
     timeout, its engine core and worker with it."""
-    run = start_run(workdir, config(tiny_deepseek), EXTRACTED, env={PAUSE_ENV: "extract:batch_done"})
+    run = start_run(workdir, config(tiny_deepseek), EXTRACTED, env={faults.ENV: "pause@extract:batch_done"})
     try:
         job = find_job(run, "extract.py")
         tree = Descendants(job.pid)
@@ -230,7 +230,7 @@ def paused_extract(tiny_deepseek: Path, workdir: Path, keep_alive_s: float, env:
     """(run, job, its tree, engine server) with the job paused after its first batch, holding its server."""
     cfg = config(tiny_deepseek)
     cfg["engine"]["keep_alive_s"] = keep_alive_s
-    run = start_run(workdir, cfg, EXTRACTED, env={PAUSE_ENV: "extract:batch_done", **(env or {})})
+    run = start_run(workdir, cfg, EXTRACTED, env={faults.ENV: "pause@extract:batch_done", **(env or {})})
     job = find_job(run, "extract.py")
     tree = Descendants(job.pid)
     log = workdir / "results/demo/logs/extract/shard-00000.log"

@@ -21,6 +21,7 @@ from eagle3data.contracts.states import Expected
 from eagle3data.storage.store import atomic_path, sample_path
 from eagle3data.bench.synthetic import random_prompts
 from eagle3data.capture.watcher import StatesWatcher
+from eagle3data.utils import faults
 
 EXPECTED = Expected(parse_captures([{"layer": 1, "point": "input"}, {"layer": 2, "point": "input"},
                                     {"layer": 3, "point": "input"}, {"layer": 3, "point": "output"}], 4),
@@ -43,11 +44,12 @@ def batch(tmp_path, n: int, seed: int) -> tuple[list[Row], list[Path]]:
     return rows, [sample_path(tmp_path, r.sample_id) for r in rows]
 
 
-def test_the_watcher_checks_each_file_once_it_is_renamed_into_place(tmp_path):
+def test_the_watcher_checks_each_file_once_it_is_renamed_into_place(tmp_path, monkeypatch):
     rows, paths = batch(tmp_path, 6, seed=1)
     late_rows, late_paths = batch(tmp_path, 3, seed=2)
+    monkeypatch.setenv(faults.ENV, f"fail@landed:{late_rows[2].sample_id}")
     write_states(paths[0], rows[0].input_ids)  # landed before generate() began
-    with StatesWatcher(EXPECTED, fail_samples=(late_rows[2].sample_id,)) as watcher:
+    with StatesWatcher(EXPECTED) as watcher:
         watcher.expect(rows, paths)
 
         def worker() -> None:  # what vLLM's writer threads do while generate() runs
@@ -64,7 +66,7 @@ def test_the_watcher_checks_each_file_once_it_is_renamed_into_place(tmp_path):
         write_states(paths[4], rows[4].input_ids[::-1])  # not the tokens asked for
         write_states(late_paths[0], late_rows[0].input_ids, hidden=16)  # the wrong hidden size
         write_states(late_paths[1], late_rows[1].input_ids)
-        write_states(late_paths[2], late_rows[2].input_ids)  # whole, but listed in testing.fail_samples
+        write_states(late_paths[2], late_rows[2].input_ids)  # whole, but failed by the test fault
         watcher.drop(rows[5].sample_id)  # failed elsewhere: its file never comes
         problems = watcher.finish(timeout_s=5)
     assert sorted(problems) == sorted([rows[4].sample_id, late_rows[0].sample_id, late_rows[2].sample_id])

@@ -1,8 +1,8 @@
 """Re-runs after crashes, failed samples and changed inputs: nothing finished is computed twice.
 
 Real workflow runs on the first 8 (or 12) demo conversations, one sample per engine call so that a kill
-point counted in batches is a count of samples. Runs are killed with the
-test-only hook `EAGLE3DATA_TEST_KILL_AT` (eagle3data.utils.testing): at a named point the process group of the
+point counted in batches is a count of samples. Runs are killed with a test-only fault
+(`EAGLE3DATA_FAULTS=kill@<point>`, eagle3data.utils.faults): at a named point the process group of the
 whole run (snakemake, the job, vLLM's processes) gets SIGKILL, as in a node crash. A file's inode and
 mtime change whenever it is written again (every write is a rename of a new file), so an unchanged
 (inode, mtime) proves a finished sample was never computed again. Every resumed or retried run's dataset
@@ -31,7 +31,7 @@ from eagle3data.contracts.layers import eagle3_captures
 from eagle3data import open_dataset
 from eagle3data.validate.reproducibility import dataset_differences
 from eagle3data.config.settings import Settings
-from eagle3data.utils.testing import KILL_ENV
+from eagle3data.utils import faults
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def run_killed_at(workdir: Path, point: str) -> None:
     killed snakemake needs before the next run."""
     cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2",
            "--configfile", str(workdir / "test-config.yaml")]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", KILL_ENV: point}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", faults.ENV: f"kill@{point}"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=workdir, env=env,
                           start_new_session=True)
     log = proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -177,18 +177,18 @@ def test_runs_killed_anywhere_resume_to_the_uninterrupted_dataset(reference, tin
 def test_one_engine_serves_the_shards_and_its_crash_fails_only_the_shard_in_flight(reference, tiny_deepseek,
                                                                                  tmp_path):
     """Four shards of two samples, shard 00001's first (--prioritize). Its engine is killed while it
-    computes (test hook EAGLE3DATA_TEST_KILL_ENGINE_AT: the engine alone dies): only that shard fails,
+    computes (test fault `kill-engine`: the engine alone dies): only that shard fails,
     loudly; the next job starts another engine, which serves the three other shards one after another.
-    A re-run soon after uses that engine (kept loaded for keep_alive_s after a failed run) and finishes
-    the failed shard from the store; the run's success stops it."""
+    A re-run soon after uses that engine (kept loaded for keep_alive_s after a failed run; taken over by
+    the re-run, it forgets the first run's faults) and finishes the failed shard from the store; the
+    run's success stops it."""
     from eagle3data.engine import pool as engine_pool
-    from eagle3data.utils.testing import KILL_ENGINE_ENV
 
     workdir = new_run(tmp_path / "run", 8)
     config = small_config(tiny_deepseek, shard_size=2, engine={"batch_samples": 2, "keep_alive_s": 600})
     (workdir / "test-config.yaml").write_text(yaml.safe_dump(config))
     shards = [f"{i:05d}" for i in range(4)]
-    env = {**os.environ, KILL_ENGINE_ENV: "engine:generate:shard-00001"}
+    env = {**os.environ, faults.ENV: "kill-engine@engine:generate:shard-00001"}
     cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2",
            "--configfile", str(workdir / "test-config.yaml"), "--prioritize", f"{RUN}/extract/shard-00001.parquet"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=workdir, env=env)
@@ -258,14 +258,15 @@ def test_a_failing_sample_is_named_recorded_and_retried_alone(reference, tiny_de
     workdir = new_run(tmp_path / "run", 8)
     first_shard = list(tokenized(reference).index[:4])  # shard 00000 at 4 conversations per shard
     victim = first_shard[1]
-    config = small_config(tiny_deepseek, shard_size=4, testing={"fail_samples": [victim]})
-    proc = run_snakemake(workdir, "--retries", "1", config=config, check=False)
+    config = small_config(tiny_deepseek, shard_size=4)
+    proc = run_snakemake(workdir, "--retries", "1", config=config, check=False,
+                         env={faults.ENV: f"fail@landed:{victim}"})
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert f"sample {victim}: failed on purpose" in out  # printed by the Snakefile's onerror
     record = json.loads((workdir / RUN / "extract/shard-00000.failed.json").read_text())
     assert [f["sample_id"] for f in record["failed"]] == [victim]
-    assert "testing.fail_samples" in record["failed"][0]["reason"]
+    assert f"{faults.ENV}=fail@landed:{victim}" in record["failed"][0]["reason"]
     # Snakemake retried the job with twice the memory; the retry computed only the failed sample.
     assert "shard 00000 (0 GPUs, 4000 MB)" in out and "shard 00000 (0 GPUs, 8000 MB)" in out
     assert extract_counts(workdir) == (4, 3, 1)
@@ -274,8 +275,7 @@ def test_a_failing_sample_is_named_recorded_and_retried_alone(reference, tiny_de
     assert stats(workdir, "00001")["computed"] == 4  # --keep-going (profiles/default): shard 1 finished
     assert not (workdir / RUN / "extract/shard-00000.parquet").exists()
 
-    del config["testing"]  # the cause removed: retry only what failed
-    proc = run_snakemake(workdir, "--", "retry_failed", config=config)
+    proc = run_snakemake(workdir, "--", "retry_failed")  # the fault gone: retry only what failed
     out = proc.stdout + proc.stderr
     assert "Extracting hidden states for shard 00000" in out and "shard 00001" not in out
     assert (stats(workdir)["reused"], stats(workdir)["computed"]) == (3, 1)

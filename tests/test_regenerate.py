@@ -22,7 +22,7 @@ import yaml
 from conftest import REPO, SNAKEMAKE, run_snakemake, with_defaults
 from eagle3data.regenerate.journal import Journal, JournalError
 from eagle3data.regenerate.stage import RegenerateJob, Regenerator, plan
-from eagle3data.utils.testing import KILL_ENV
+from eagle3data.utils import faults
 
 RUN = "regen"
 MAX_NEW_TOKENS = 32
@@ -59,12 +59,12 @@ def config(model, conversations) -> dict:
 
 
 def run_killed_at(workdir, point: str) -> None:
-    """The workflow in a session of its own (the hook kills the whole process group), SIGKILLed at
+    """The workflow in a session of its own (the fault kills the whole process group), SIGKILLed at
     `point`; then --unlock, which a killed snakemake needs."""
     cmd = [*SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2",
            "--configfile", str(workdir / "test-config.yaml")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=workdir,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", KILL_ENV: point}, start_new_session=True)
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", faults.ENV: f"kill@{point}"}, start_new_session=True)
     assert proc.returncode == -signal.SIGKILL, f"not killed at {point}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     run_snakemake(workdir, "--unlock")
 

@@ -2,7 +2,7 @@
 
 One module fixture runs the workflow twice on the same directory. The first run's extract jobs ask for
 all 8 GPUs of the node (`engine.cpu_job_gpus`: the CPU engine uses none, SLURM still binds them), so
-SLURM runs them one after the other. Shard 00000's job stops (test hook `EAGLE3DATA_TEST_PAUSE_AT`)
+SLURM runs them one after the other. Shard 00000's job stops (test fault `pause`, utils/faults.py)
 once every states file and its manifest are written, just before its stats file, and the test
 `scancel`s it there (`--retries 0`: no resubmission in that run): a cancel at a known point, not a race
 with the job. The second run must redo that job alone, from the store. The tests then check what both
@@ -27,7 +27,7 @@ from snakemake.profiles import ProfileConfigFileParser
 
 from eagle3data import open_dataset
 from eagle3data.validate.reproducibility import dataset_differences
-from eagle3data.utils.testing import PAUSE_ENV, PAUSED
+from eagle3data.utils import faults
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with any pytest import mode
 from slurm_cluster import local_slurm, skip_allowed, unavailable_reason, wait_job  # noqa: E402
@@ -78,7 +78,7 @@ def scancel_paused_extract(workdir: Path, run: threading.Thread) -> tuple[str, s
     end = time.monotonic() + 1200
     while run.is_alive() and time.monotonic() < end:
         log = log_file.read_text() if log_file.exists() else ""
-        if PAUSED in log:
+        if faults.PAUSED in log:
             slurm_id = JOB_LINE.findall(log)[-1][1]
             subprocess.run(["scancel", slurm_id], check=True)
             return CANCELLED_SHARD, slurm_id
@@ -111,7 +111,7 @@ def slurm_runs(tmp_path_factory) -> SlurmRuns:
     # A SLURM job per shard: the cancel hits one shard.
     with site_settings(**{SHARDS_PER_JOB: "1"}) as patch, local_slurm(tmp_path_factory.mktemp("cluster")):
         result: dict = {}
-        patch.setenv(PAUSE_ENV, PAUSE_POINT)  # the first run only
+        patch.setenv(faults.ENV, f"pause@{PAUSE_POINT}")  # the first run only
         run = threading.Thread(target=lambda: result.update(proc=run_snakemake(
             workdir, *PROFILE, "--retries", "0", config=demo_config(engine={"cpu_job_gpus": GPUS}),
             check=False)))
@@ -119,7 +119,7 @@ def slurm_runs(tmp_path_factory) -> SlurmRuns:
         shard, slurm_id = scancel_paused_extract(workdir, run)
         state = wait_job(slurm_id)
         run.join()
-        patch.delenv(PAUSE_ENV)
+        patch.delenv(faults.ENV)
         first = result["proc"].stdout + result["proc"].stderr
         assert result["proc"].returncode != 0, f"the run with a cancelled job succeeded:\n{first[-4000:]}"
         stats = {p.name.split(".")[0].removeprefix("shard-"): (p.read_text(), p.stat().st_mtime_ns)

@@ -3,9 +3,9 @@
 Per-sample files live in the store (the job's `Store`, storage/store.py), outside Snakemake's outputs, so a
 failed or killed job loses nothing: a re-run reads the store, reuses each sample whose file is whole and
 matches its tokens, and starts the engine only if something is left to compute. A sample that fails (its reply
-or file does not match, or `testing.fail_samples` lists it) does not stop the others: its file is removed, and
-once the shard is done the job fails naming every failed sample with its reason, also recorded beside the
-manifest (failed_samples.py). The shard's manifest is written last, only when every sample succeeded.
+or file does not match) does not stop the others: its file is removed, and once the shard is done the job
+fails naming every failed sample with its reason, also recorded beside the manifest (failed_samples.py).
+The shard's manifest is written last, only when every sample succeeded.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from eagle3data.utils.logs import get_logger
 from eagle3data.contracts.schemas import BoundaryError, ExtractManifest, TokenizedShard, check
 from eagle3data.contracts.states import Expected, file_facts, judge_files
 from eagle3data.storage.store import Store, atomic_path, atomic_write_text, start_syncing
-from eagle3data.utils.testing import kill_point
+from eagle3data.utils import faults
 from eagle3data.capture.watcher import StatesWatcher
 
 logger = get_logger(__name__)
@@ -46,7 +46,6 @@ class ExtractJob:
     max_seq_len: int
     engine: dict
     input_shape: disk.InputShape | None = None  # None: this shard is the whole input
-    fail_samples: tuple[str, ...] = ()  # testing.fail_samples, a test-only hook (utils/testing.py)
     gpus: int = 0  # the job's `gpu` resource: what an engine server it starts claims
     parity_samples: int = 0  # computed samples whose next-token log-probabilities the engine returns
 
@@ -203,7 +202,6 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
         engine.check_prompt_fits(max(r.num_tokens for r in todo))
         shards_served = engine.begin_shard(job.shard_name)
         waited, ready_at = time.perf_counter() - starting, time.time()
-        kill_point("extract:engine_ready")
         to_come, whole, syncing = _run_batches(job, engine, todo, failed, steps, log_probs)
     finally:
         engine.close()  # its files have landed (or the job failed): nothing of this job is in flight
@@ -239,7 +237,7 @@ def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, 
     batch = job.engine["batch_samples"]
     witnessed = {r.sample_id for r in spread(todo, job.parity_samples)}
     progress = tqdm(total=len(todo), desc="extract", unit="sample", mininterval=5)
-    with StatesWatcher(job.expected, job.fail_samples) as watcher:
+    with StatesWatcher(job.expected) as watcher:
         for start in range(0, len(todo), batch):
             rows = todo[start : start + batch]
             paths = [job.store.path(r.sample_id) for r in rows]
@@ -260,7 +258,7 @@ def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, 
                 except BoundaryError as exc:
                     watcher.drop(row.sample_id)
                     _fail(row.sample_id, str(exc), path, failed)
-            kill_point("extract:batch_done")
+            faults.point("extract:batch_done")
             steps["generate"] += generated - began
             steps["replies"] += time.perf_counter() - generated
             progress.update(len(rows))

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from eagle3data.contracts.states import Expected, file_facts, judge_files
-from eagle3data.utils.testing import FailedOnPurpose, fail_on_purpose
+from eagle3data.utils import faults
 
 POLL_SECONDS = 0.005
 
@@ -23,10 +23,10 @@ class StatesWatcher:
     """`with StatesWatcher(expected) as watcher:` then `watcher.expect(rows, paths)` per batch (rows with
     `sample_id` and `input_ids`), `watcher.drop(sample_id)` for a sample failed elsewhere, and
     `watcher.finish(timeout_s)`: sample id -> problems, for every expected sample whose file is wrong
-    or did not come. `fail_samples`: testing.fail_samples, failed once their file has come."""
+    or did not come."""
 
-    def __init__(self, expected: Expected, fail_samples: tuple[str, ...] = ()):
-        self.expected, self.fail_samples = expected, fail_samples
+    def __init__(self, expected: Expected):
+        self.expected = expected
         self._pending: dict[str, tuple[object, Path]] = {}
         self._problems: dict[str, list[str]] = {}
         self._whole: dict[str, Path] = {}  # sample id -> path, each file checked and found whole
@@ -94,9 +94,9 @@ class StatesWatcher:
         problems = judge_files(facts, self.expected)
         for sample_id, _, _ in landed:
             try:
-                fail_on_purpose(sample_id, self.fail_samples)
-            except FailedOnPurpose as exc:
-                problems.setdefault(sample_id, []).append(str(exc))
+                faults.point(f"landed:{sample_id}")
+            except faults.Injected as exc:
+                problems.setdefault(sample_id, []).append(f"sample {sample_id}: {exc}")
         with self._lock:
             for sample_id, _, path in landed:
                 if self._pending.pop(sample_id, None) is None:

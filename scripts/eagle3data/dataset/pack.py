@@ -60,7 +60,7 @@ from eagle3data.contracts.schemas import (
 )
 from eagle3data.contracts.reading import STORAGE, checksum, read_states
 from eagle3data.storage.store import Store, atomic_path, atomic_write_text, start_writeback
-from eagle3data.utils.testing import kill_point
+from eagle3data.utils import faults
 
 logger = get_logger(__name__)
 # A batch holds at most PackJob.batch_size samples and about this many bytes of states (one Kimi-K2.5
@@ -285,7 +285,7 @@ def pack_shard(job: ShardPackJob) -> dict:
         dropped = job.store.drop((set(tokenized["sample_id"]) - duplicates) | set(held))
         logger.info("dropped %d states files from %s: %s holds them (storage.drop_packed_states)",
                     dropped, job.store.samples, job.arrow)
-        kill_point(f"dropped:{job.arrow}")
+        faults.point(f"dropped:{job.arrow}")
     return summary
 
 

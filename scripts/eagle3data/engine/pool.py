@@ -38,14 +38,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Client
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from eagle3data.engine import jobinfo
 from eagle3data.engine.jobinfo import try_lock
 from eagle3data.engine.start import EngineError, check_schedulable
 from eagle3data.utils.logs import get_logger
 from eagle3data.storage.store import atomic_write_text
-from eagle3data.utils.testing import KILL_ENGINE_ENV, with_run_group
+from eagle3data.utils.faults import with_run_group
 
 logger = get_logger(__name__)
 
@@ -57,6 +57,26 @@ STOP_WAIT_S = 120.0  # how long a stopped server may take to exit before the sto
 
 class EngineCrashed(EngineError):
     """The server died while it was serving this job: the job's samples in flight are lost."""
+
+
+# The requests a job sends its server (server.py answers each with a tuple, "ok" or "error" first).
+class Serve(NamedTuple):
+    """From now on the server serves this shard's job, for this run (`run_owner`), which owns it."""
+
+    shard: str
+    owner: list
+
+
+class Generate(NamedTuple):
+    """One batch: each prompt's token ids, where its states go, whether its log-probabilities come back."""
+
+    token_ids: list[list[int]]
+    paths: list[str]
+    log_probs: list[bool]
+
+
+class Stop(NamedTuple):
+    """Stop once idle (`stop_idle` asks only servers that are)."""
 
 
 @dataclass
@@ -140,17 +160,17 @@ class RemoteEngine:
         self._conn, self.loaded_here = conn, loaded_here
 
     def begin_shard(self, shard: str) -> int:
-        """Tell the server which shard it serves now (its log says so), with this job's test-only
-        engine-kill hook (utils/testing.py) and this job's run, which the server belongs to from now on
-        (server.py: it stops soon after its run is gone); the server's count of shards served."""
-        return self._request(("shard", shard, os.environ.get(KILL_ENGINE_ENV), run_owner()), 0)[1]
+        """Tell the server which shard it serves now (its log says so) and this job's run, which the
+        server belongs to from now on (server.py: it stops soon after its run is gone); the server's
+        count of shards served."""
+        return self._request(Serve(shard, run_owner()), 0)[1]
 
     def generate(self, token_ids: list[list[int]], paths: list[str],
                  log_probs: list[bool] | None = None) -> tuple[list, list]:
         """(kv_transfer_params of each prompt, the engine's next-token log-probabilities of the prompts
         `log_probs` flags, else None); what the engine logged meanwhile goes to this job's log."""
         wanted = log_probs or [False] * len(paths)
-        reply = self._request(("generate", token_ids, paths, wanted), len(paths))
+        reply = self._request(Generate(token_ids, paths, wanted), len(paths))
         if reply[0] != "ok":
             raise EngineError(f"engine {self.entry.id} failed a batch of {len(paths)} samples:\n{reply[1]}")
         sys.stderr.write(reply[2])
@@ -160,7 +180,7 @@ class RemoteEngine:
         """Refuse work the engine's scheduler would never schedule (engine.check_schedulable)."""
         check_schedulable(bool(self.entry.chunked_prefill), self.entry.max_num_batched_tokens, longest_prompt)
 
-    def _request(self, message: tuple, samples: int) -> tuple:
+    def _request(self, message: Serve | Generate, samples: int) -> tuple:
         try:
             self._conn.send(message)
             return self._conn.recv()
@@ -340,7 +360,7 @@ def stop_idle(which, why: str = "asked to stop") -> int:
                 continue
             with conn:
                 try:
-                    conn.send(("stop",))
+                    conn.send(Stop())
                     conn.recv()
                 except (EOFError, ConnectionError):
                     pass

@@ -39,18 +39,18 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 from eagle3data.engine import start as engine_mod
-from eagle3data.engine.pool import LOG_REPLY_BYTES, ServerEntry, owner_alive
+from eagle3data.engine.pool import LOG_REPLY_BYTES, Generate, Serve, ServerEntry, Stop, owner_alive
 from eagle3data.engine.reaper import guard
 from eagle3data.engine.jobinfo import try_lock
 from eagle3data.contracts.layers import Capture
 from eagle3data.utils.logs import get_logger, redirect_output_to
 from eagle3data.storage.store import atomic_write_text
-from eagle3data.utils.testing import kill_engine_point, kill_point
+from eagle3data.utils import faults
 
 logger = get_logger(__name__)
 
 ORPHAN_KEEP_ALIVE_S = 60.0  # idle seconds an engine whose run is gone waits for a re-run to take it
-ORPHAN_KEEP_ALIVE_ENV = "EAGLE3DATA_TEST_ORPHAN_KEEP_ALIVE_S"  # a test's shorter wait (utils/testing.py)
+ORPHAN_KEEP_ALIVE_ENV = "EAGLE3DATA_TEST_ORPHAN_KEEP_ALIVE_S"  # a test's shorter wait
 
 
 class Server:
@@ -63,7 +63,7 @@ class Server:
         self.serving = False
         self.stopping = False
         self.shards = 0
-        self.shard, self.kill_spec = "", None  # the job being served, and its engine-kill hook (utils/testing.py)
+        self.shard = ""  # the job being served
 
     def start(self) -> None:
         began = time.perf_counter()
@@ -100,23 +100,28 @@ class Server:
                 message = conn.recv()
             except EOFError:
                 return
-            op = message[0]
-            if op == "stop":
+            if isinstance(message, Stop):
                 self.stopping = True
                 conn.send(("ok",))
-            elif op == "shard":
-                self.shard, self.kill_spec = message[1], message[2]
-                if len(message) > 3 and message[3] and message[3] != self.entry.owner:
-                    logger.info("engine %s: now owned by the run of process %d", self.entry.id, message[3][0])
-                    self.entry.owner = message[3]
-                self.shards += 1
-                logger.info("engine %s: serving %s (shard %d of this engine)", self.entry.id, message[1],
-                            self.shards)
+            elif isinstance(message, Serve):
+                self._serve_shard(message)
                 conn.send(("ok", self.shards))
-            elif op == "generate":
-                conn.send(self._generate(message[1], message[2], message[3]))
+            elif isinstance(message, Generate):
+                conn.send(self._generate(*message))
             else:
-                conn.send(("error", f"unknown request {op!r}"))
+                conn.send(("error", f"unknown request {message!r:.200}"))
+
+    def _serve_shard(self, request: Serve) -> None:
+        """A job holds the server now; a run other than its owner's takes it over (the test faults of the
+        run that started it, utils/faults.py, are not the new run's)."""
+        self.shard = request.shard
+        if request.owner != self.entry.owner:
+            logger.info("engine %s: now owned by the run of process %d", self.entry.id, request.owner[0])
+            self.entry.owner = request.owner
+            faults.forget()
+        self.shards += 1
+        logger.info("engine %s: serving %s (shard %d of this engine)", self.entry.id, request.shard,
+                    self.shards)
 
     def _generate(self, token_ids: list[list[int]], paths: list[str], log_probs: list[bool]) -> tuple:
         """("ok", kv_transfer_params per prompt, this request's lines of the server log, the engine's
@@ -126,8 +131,7 @@ class Server:
         from vllm.inputs import TokensPrompt
 
         offset = self.log_path.stat().st_size
-        kill_point(f"engine:generate:{self.shard}")
-        kill_engine_point(f"engine:generate:{self.shard}", self.kill_spec)
+        faults.point(f"engine:generate:{self.shard}")
         try:
             prompts = [TokensPrompt(prompt_token_ids=ids) for ids in token_ids]
             params = [SamplingParams(max_tokens=1, prompt_logprobs=0 if wanted else None,

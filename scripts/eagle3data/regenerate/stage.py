@@ -33,7 +33,7 @@ from eagle3data.utils.logs import get_logger
 from eagle3data.model.info import read_model_info
 from eagle3data.regenerate.replies import ReplyParser
 from eagle3data.storage.store import atomic_path, atomic_write_text
-from eagle3data.utils.testing import kill_point
+from eagle3data.utils import faults
 from eagle3data.inputs.tokenization import with_template_kwargs
 
 logger = get_logger(__name__)
@@ -168,7 +168,7 @@ class Regenerator:
     def finish(self, conv: Rewrite, entry: dict) -> None:
         """A response finished now: stored durably first (a kill after this loses nothing), then applied."""
         self.journal.append(entry)
-        kill_point("regenerate:stored")
+        faults.point("regenerate:stored")
         self.apply(conv, entry, "generated")
 
     def apply(self, conv: Rewrite, entry: dict, origin: str) -> None:

@@ -8,7 +8,8 @@ config never reuses stale ones.
 
 Every write in this project goes through `atomic_path`: write to a temporary name in the same directory,
 fsync, rename, fsync the directory. A crash at any point leaves either the old file, no file, or a
-`.*.tmp-<pid>` file that nothing reads as a result (`testing.kill_point` stops a test run right there).
+`.*.tmp-<pid>` file that nothing reads as a result (the fault point `write:<path>` stops a test run right
+there, utils/faults.py).
 
 The states files are the exception to the fsyncs, not to the rename: an fsync per file inside vLLM's
 writer threads held the extract stage to what the disk syncs file by file (on the H200: 8.6 GB in 512
@@ -41,7 +42,7 @@ from pathlib import Path
 from eagle3data.storage import room
 from eagle3data.utils.defaults import section_defaults
 from eagle3data.utils.logs import get_logger
-from eagle3data.utils.testing import kill_point
+from eagle3data.utils import faults
 
 logger = get_logger(__name__)
 
@@ -138,7 +139,7 @@ def atomic_path(final_path: str | os.PathLike, durable: bool = True) -> Iterator
     tmp = final_path.with_name(f".{final_path.name}.tmp-{os.getpid()}")
     try:
         yield str(tmp)
-        kill_point(f"write:{final_path}")
+        faults.point(f"write:{final_path}")
         if durable and tmp.is_file():
             _fsync_file(tmp)
         os.replace(tmp, final_path)
