@@ -91,11 +91,13 @@ def dequantize(codes: np.ndarray, scales: np.ndarray, dtype: np.dtype) -> np.nda
 def error_to_bound(captured: np.ndarray, read: np.ndarray) -> float:
     """The largest |read - captured| of any value over the bound it must keep (the docstring of
     RELATIVE_ERROR): at most 1 where every value keeps it. Both `[L, n, H]`, bf16 patterns or float32;
-    computed in float32 (its rounding, ~2^-24 of a value, is far inside the bound's margin)."""
-    x = _values(captured).float()
-    if not x.numel():
+    computed in float32 (its rounding, ~2^-24 of a value, is far inside the bound's margin), in place where
+    it can (pack checks every row with it)."""
+    torch = _torch()
+    values = _values(captured)
+    if not values.numel():
         return 0.0
-    error = (_values(read).float() - x).abs_()
-    bound = x.abs().mul_(RELATIVE_ERROR).add_(x.abs().amax(-1, keepdim=True).clamp_min_(E4M3_MAX * SCALE_MIN)
-                                              .mul_(ABSOLUTE_ERROR))
-    return float(error.div_(bound).max())
+    floor = values.abs().amax(-1, keepdim=True).float().clamp_min_(E4M3_MAX * SCALE_MIN).mul_(ABSOLUTE_ERROR)
+    x = values.to(torch.float32, copy=True)
+    error = _values(read).to(torch.float32, copy=True).sub_(x).abs_()
+    return float(error.div_(torch.add(floor, x.abs_(), alpha=RELATIVE_ERROR)).max())
