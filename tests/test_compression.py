@@ -302,6 +302,18 @@ def restoring_store(packed: dict, codec: str, work: Path) -> tuple[Store, list[s
                                                          dtype="bfloat16")), ids
 
 
+def test_pack_refuses_fp8_values_that_break_the_stated_bound(packed, tmp_path, monkeypatch):
+    """Pack checks every fp8 row against the bound before it writes it: with a bound tighter than e4m3's
+    rounding (2^-6 relative), the shard is refused, naming the sample and how far it broke the bound."""
+    settings = codec_settings(packed["model"], "zstd", "fp8_e4m3")
+    shard = validated_shard(settings, tmp_path, 2)
+    monkeypatch.setattr(fp8, "RELATIVE_ERROR", 2**-6)
+    with pytest.raises(BoundaryError, match=r"check fp8_e4m3 values read back within the stated error bound \| "
+                                            r"expected <= 1 x the bound \| found [\d.]+ x the bound") as refused:
+        pack_shard(shard, settings, tmp_path / "dataset", 2)
+    assert "storage.compression.precision: exact" in str(refused.value) and not (tmp_path / "dataset").exists()
+
+
 def test_a_dropped_store_file_is_not_restored_from_an_fp8_shard(packed, tmp_path):
     """fp8 codes are not the values captured: a store asked for files that an fp8 shard packs restores
     none, so extract computes them again."""

@@ -150,15 +150,17 @@ def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndar
             return frame, capture_crcs(stored)
         failure = Failure(sample_id, f"{compression.precision} values read back within the stated error bound",
                           "<= 1 x the bound", f"{excess:.3f} x the bound", path)
+        instead = "storage.compression.precision: exact"
     else:
         found = [checksum(stored[:, c.slot, :]) for c in captures]
         if found == expected:
             return frame, crcs
         failure = Failure(sample_id, "checksums of the compressed states == validated checksums", show(expected),
                           show(found), path)
+        instead = "storage.compression.codec: none"
     # a fault of the codec or the memory, never of the file
     raise BoundaryError(f"{failure}\nCompression did not give the states back (storage/compression.py); "
-                        "pack again, or set storage.compression.codec: none")
+                        f"pack again, or set {instead}")
 
 
 def _checked_shard(tok_path: str, states_path: str, quarantined_path: str, manifest_contract,
