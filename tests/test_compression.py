@@ -5,8 +5,8 @@ validated once and packed three times, compressed (`codec: zstd`), raw (`codec: 
 (`precision: fp8_e4m3`, lossy): every reader then returns the same tensors from the first two, bit for bit:
 `open_dataset`, `datasets.load_from_disk` with `decode_states`, speculators' and SpecForge's reader
 backends, and a dropped store file restored from the packed shard; from the fp8 one, bf16 tensors of the
-same shapes, each value within the bound storage/fp8.py states, and no restored file. Every reader and the
-full check refuse a flipped byte in any of the three. A dataset of the format before compression (format 1)
+same shapes, each value within the bound storage/fp8.py states, and no restored file; a dataset mixing both
+kinds of rows reads each as its own. Every reader and the full check refuse a flipped byte in any of the three. A dataset of the format before compression (format 1)
 still loads, and check_dataset refuses a frame that is not whole. Real SmolLM2 states:
 tests/test_real_model.py.
 """
@@ -300,6 +300,26 @@ def restoring_store(packed: dict, codec: str, work: Path) -> tuple[Store, list[s
     ids = [r["sample_id"] for r in open_dataset(packed[codec] / "dataset")]
     return Store(store, store, 0, True, functools.partial(restore, n_captures=4, hidden_size=128,
                                                          dtype="bfloat16")), ids
+
+
+def test_a_dataset_may_mix_exact_and_fp8_rows(packed, tmp_path):
+    """Each frame says what it holds: a copy of the fp8 dataset whose even rows are the zstd dataset's
+    (the same samples) reads each row as its own kind, verified, and passes the full check."""
+    from eagle3data.dataset.check import full_check
+
+    mixed = tmp_path / "dataset"
+    shutil.copytree(packed["fp8"] / "dataset", mixed)
+    path = mixed / "data-00000-of-00001.arrow"
+    rows = {codec: pa.ipc.open_stream((packed[codec] / "dataset" / path.name).read_bytes()).read_all()
+            for codec in ("zstd", "fp8")}
+    table = pa.concat_tables([rows["zstd" if i % 2 == 0 else "fp8"].slice(i, 1) for i in range(SAMPLES)])
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    read = {name: [r["hidden_states"].view(torch.int16) for r in open_dataset(d)]
+            for name, d in (("mixed", mixed), ("zstd", packed["zstd"] / "dataset"), ("fp8", packed["fp8"] / "dataset"))}
+    assert not any(torch.equal(a, b) for a, b in zip(read["zstd"], read["fp8"]))  # the two kinds differ
+    assert all(torch.equal(row, read["zstd" if i % 2 == 0 else "fp8"][i]) for i, row in enumerate(read["mixed"]))
+    assert full_check(mixed, threads=2)[1] == []
 
 
 def test_pack_refuses_fp8_values_that_break_the_stated_bound(packed, tmp_path, monkeypatch):
