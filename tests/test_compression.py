@@ -1,11 +1,14 @@
-"""storage.compression: the packed states stored losslessly compressed, and every reader transparent.
+"""storage.compression: the packed states stored compressed, and every reader transparent.
 
 The same store files (the connector's tensors and facts, written as the benchmark writes them) are
-validated once and packed twice, compressed (`codec: zstd`) and raw (`codec: none`, the default): every reader then
-returns the same tensors from both, bit for bit: `open_dataset`, `datasets.load_from_disk` with
-`decode_states`, speculators' and SpecForge's reader backends, and a dropped store file restored from the
-packed shard. A dataset of the format before compression (format 1) still loads, and check_dataset
-refuses a frame that is not whole. Real SmolLM2 states: tests/test_real_model.py.
+validated once and packed three times, compressed (`codec: zstd`), raw (`codec: none`) and as fp8 codes
+(`precision: fp8_e4m3`, lossy): every reader then returns the same tensors from the first two, bit for bit:
+`open_dataset`, `datasets.load_from_disk` with `decode_states`, speculators' and SpecForge's reader
+backends, and a dropped store file restored from the packed shard; from the fp8 one, bf16 tensors of the
+same shapes, each value within the bound storage/fp8.py states, and no restored file; a dataset mixing both
+kinds of rows reads each as its own. Every reader and the full check refuse a flipped byte in any of the three. A dataset of the format before compression (format 1)
+still loads, and check_dataset refuses a frame that is not whole. Real SmolLM2 states:
+tests/test_real_model.py.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from eagle3data.contracts.measuring import facts_header, load_stored
 from eagle3data.contracts.reading import load_states
 from eagle3data.contracts.failures import BoundaryError
 from eagle3data.dataset.check import DatasetCheckError, check_dataset
-from eagle3data.storage.compression import (FRAME_KEY, FRAME_TENSOR, Compression, FrameError, decode, frame_bytes,
-                                             frame_checksum)
+from eagle3data.storage import fp8
+from eagle3data.storage.compression import (FP8_META, FP8_SCALES, FRAME_KEY, FRAME_TENSOR, Compression, FrameError,
+                                             decode, frame_checksum, frame_tokens, precision)
 from eagle3data.dataset.pack import PackJob, run as pack
 from eagle3data.dataset.packed import restore
 from eagle3data.config.settings import Settings
@@ -50,7 +54,7 @@ def bf16_patterns(*shape: int, seed: int = 0) -> np.ndarray:
 def test_a_frame_gives_back_every_value_in_any_size_and_dtype(monkeypatch):
     states = bf16_patterns(300, 4, 576)
     frame = Compression("zstd", 1, threads=2).encode(states)
-    assert len(frame) < 0.8 * states.nbytes and frame_bytes(frame) == states.nbytes
+    assert len(frame) < 0.8 * states.nbytes and frame_tokens(frame, 4 * 576) == 300
     assert np.array_equal(decode(frame, 4, 576), states)
     assert decode(Compression("zstd", 1).encode(states[:0]), 4, 576).shape == (0, 4, 576)
     single = np.random.default_rng(0).standard_normal((50, 4, 64)).astype(np.float32)
@@ -62,12 +66,38 @@ def test_a_frame_gives_back_every_value_in_any_size_and_dtype(monkeypatch):
         decode(frame, 4, 896)
     with pytest.raises(FrameError, match="not a Blosc2 frame"):
         decode(b"\0" * 64, 4, 576)
-    assert frame_bytes(b"\0" * 64) == -1
+    assert frame_tokens(b"\0" * 64, 4 * 576) == -1 and frame_tokens(frame, 7 * 576) == -1
 
 
-def codec_settings(model: Path, codec: str) -> Settings:
+def test_fp8_frames_read_back_within_the_stated_bound_and_say_what_they_hold(monkeypatch):
+    """bf16 and float32 states, a token of zeros and one with a value 10^4 times the others' (a massive
+    activation) among them: every value read back from the fp8 frame keeps storage/fp8.py's bound, and the
+    worst uses most of it (e4m3's rounding, not a looser one); a bound half as wide is broken. The frame
+    says it holds fp8 codes, an exact frame of the same states says exact; the codes take one byte a
+    value and a scale per token and capture."""
+    values = torch.randn(300, 4, 576, generator=torch.Generator().manual_seed(1)) * 3
+    values[5, 1], values[7, 2, 3] = 0, 3e4
+    lossy = Compression("zstd", 1, precision="fp8_e4m3")
+    for states in (values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), values.numpy()):
+        frame = lossy.encode(states)
+        read = decode(frame, 4, 576)
+        assert read.dtype == states.dtype and read.shape == states.shape and not read[5, 1].any()
+        assert 0.8 < fp8.error_to_bound(states, read) <= 1
+        assert precision(frame) == "fp8_e4m3" and precision(Compression("zstd", 1).encode(states)) == "exact"
+        assert frame_tokens(frame, 4 * 576) == 300 and len(frame) < 300 * 4 * (576 + 4)
+    monkeypatch.setattr(fp8, "RELATIVE_ERROR", 2**-5)
+    assert fp8.error_to_bound(states, read) > 1
+    codes, scales = fp8.quantize(states)
+    short = lossy._framed(codes, {FP8_META: {"precision": "fp8_e4m3", "dtype": "float32"}},
+                          {FP8_SCALES: scales[:-1].tobytes()})
+    with pytest.raises(FrameError, match="an fp8 frame of 300 tokens with 1196 scales, not 1200"):
+        decode(short, 4, 576)
+
+
+def codec_settings(model: Path, codec: str, precision: str = "exact") -> Settings:
+    compression = {"codec": codec, "level": 1, "threads": 2, "precision": precision}
     return Settings(with_defaults(demo_config(model={"path": str(model), "build_demo": False},
-                                              storage={"compression": {"codec": codec, "level": 1, "threads": 2}})))
+                                              storage={"compression": compression})))
 
 
 def write_as_earlier_writers(path: str) -> None:
@@ -103,9 +133,10 @@ def pack_shard(shard, settings: Settings, out: Path, samples: int) -> None:
 @pytest.fixture(scope="module")
 def packed(tiny_deepseek, tmp_path_factory) -> dict[str, Path]:
     """The same validated shard of raw files (every third compressed by an earlier version's writers)
-    packed compressed and raw: {codec: work directory}."""
+    packed compressed, raw and as fp8 codes: {"zstd" | "none" | "fp8": work directory}."""
     work = tmp_path_factory.mktemp("compression")
     settings = {codec: codec_settings(tiny_deepseek, codec) for codec in ("zstd", "none")}
+    settings["fp8"] = codec_settings(tiny_deepseek, "zstd", "fp8_e4m3")
     shard = validated_shard(settings["zstd"], work, SAMPLES, framed_every=3)
     for codec, s in settings.items():
         pack_shard(shard, s, work / codec / "dataset", SAMPLES)
@@ -166,14 +197,23 @@ def test_the_metadata_names_the_codec_and_the_bytes_are_fewer(packed):
     assert raw["compression"] == {"codec": "none"}
     hf = datasets.load_from_disk(str(packed["zstd"] / "dataset"))
     assert hf.features["hidden_states"] == datasets.Value("large_binary")
+    # fp8 says so, with its bound, in the metadata and the card; the exact datasets say nothing of it.
+    lossy = read_metadata(packed["fp8"] / "dataset")["compression"]
+    assert (lossy["codec"], lossy["precision"], lossy["lossy"]) == ("zstd", "fp8_e4m3", True)
+    assert lossy["error_bound"]["relative"] == fp8.RELATIVE_ERROR == 2**-4 + 2**-7
+    assert lossy["error_bound"]["absolute_of_token_max"] == fp8.ABSOLUTE_ERROR and "scales" in lossy
+    card = (packed["fp8"] / "dataset" / "README.md").read_text()
+    assert "stored lossy (`storage.compression.precision: fp8_e4m3`)" in card and "at most 0.07031 x its captured magnitude" in card
+    assert "lossy" not in (packed["zstd"] / "dataset" / "README.md").read_text() and "precision" not in zstd["compression"]
 
     def data_bytes(codec: str) -> int:
         return sum(p.stat().st_size for p in (packed[codec] / "dataset").glob("*.arrow"))
 
     assert data_bytes("zstd") < 0.8 * data_bytes("none")  # random normal bf16: ~0.68
+    assert data_bytes("fp8") < 0.55 * data_bytes("none")  # one byte a value, a scale per token and capture
     counts = json.loads((packed["zstd"] / "dataset.counts.json").read_text())
     assert counts["states_bytes"] == SAMPLES * TOKENS * 4 * 128 * 2 > counts["pack_bytes"]
-    for codec in ("zstd", "none"):
+    for codec in ("zstd", "none", "fp8"):
         assert "OK, 6 samples, 4 captures x 128 bfloat16" in check_dataset(packed[codec] / "dataset")
 
 
@@ -199,22 +239,27 @@ def test_every_reader_returns_the_same_tensors_with_and_without_compression(pack
             decode_states(hf[0]["hidden_states"], meta)
 
 
-def test_the_trainers_readers_return_the_same_tensors_with_and_without_compression(packed):
+def reader_exports(packed: dict, codec: str):
+    """speculators' and SpecForge's readers of the `codec` dataset, its reader exports made once."""
     from eagle3data.exports.specforge import export as export_specforge
     from eagle3data.exports.speculators import export as export_speculators
     from eagle3data.exports.specforge_reader import PackedFeatures
     from eagle3data.exports.speculators_reader import PackedStatesTransfer
     from eagle3data.exports.vocab import write_vocab
 
+    d = packed[codec]
+    if not (d / "speculators").exists():
+        write_vocab(d / "dataset", packed["model"], 64, d / "token_freq.pt", d / "vocab_mapping.pt")
+        export_speculators(d / "dataset", d / "speculators", d / "token_freq.pt", d / "vocab_mapping.pt",
+                           states="reader")
+        export_specforge(d / "dataset", d / "specforge", packed["model"], d / "vocab_mapping.pt", states="reader")
+    return PackedStatesTransfer(d / "speculators"), PackedFeatures(d / "specforge")
+
+
+def test_the_trainers_readers_return_the_same_tensors_with_and_without_compression(packed):
     found = {}
     for codec in ("zstd", "none"):
-        d = packed[codec]
-        if not (d / "speculators").exists():
-            write_vocab(d / "dataset", packed["model"], 64, d / "token_freq.pt", d / "vocab_mapping.pt")
-            export_speculators(d / "dataset", d / "speculators", d / "token_freq.pt", d / "vocab_mapping.pt",
-                               states="reader")
-            export_specforge(d / "dataset", d / "specforge", packed["model"], d / "vocab_mapping.pt", states="reader")
-        speculators, specforge = PackedStatesTransfer(d / "speculators"), PackedFeatures(d / "specforge")
+        speculators, specforge = reader_exports(packed, codec)
         found[codec] = [(speculators.get_cached(i), specforge(i)) for i in range(SAMPLES)]
         assert speculators.rows_as_decoded == (codec == "zstd")  # the decoded rows go out uncopied
     for (a_spec, a_forge), (b_spec, b_forge) in zip(found["zstd"], found["none"]):
@@ -224,16 +269,83 @@ def test_the_trainers_readers_return_the_same_tensors_with_and_without_compressi
         assert a_spec["hidden_states"].shape == (TOKENS, 4, 128)
 
 
-def test_a_dropped_store_file_comes_back_from_the_compressed_shard_bit_for_bit(packed, tmp_path):
-    store = tmp_path / "store"
-    shutil.copytree(packed["zstd"] / "dataset", store / "packed")
+def test_every_reader_returns_fp8_rows_in_bf16_within_the_stated_bound(packed):
+    """open_dataset, load_from_disk + decode_states and both trainers' readers give the fp8 dataset's rows
+    as the exact dataset's dtype and shapes, the same values from each reader, every value within the bound
+    of the captured one (the error is e4m3's: most of the bound)."""
+    exact, lossy = open_dataset(packed["none"] / "dataset"), open_dataset(packed["fp8"] / "dataset")
+    hf, meta = datasets.load_from_disk(str(packed["fp8"] / "dataset")), read_metadata(packed["fp8"] / "dataset")
+    (speculators, specforge), (_, exact_specforge) = reader_exports(packed, "fp8"), reader_exports(packed, "none")
+    worst = 0.0
+    for i, (x, y) in enumerate(zip(exact, lossy)):
+        assert y["sample_id"] == x["sample_id"] and torch.equal(y["input_ids"], x["input_ids"])
+        read = y["hidden_states"]
+        assert read.dtype == torch.bfloat16 and read.shape == x["hidden_states"].shape == (TOKENS, 4, 128)
+        assert torch.equal(decode_states(hf[i], meta).view(torch.int16), read.view(torch.int16))
+        assert torch.equal(speculators.get_cached(i)["hidden_states"].view(torch.int16), read.view(torch.int16))
+        features, exact_features = specforge(i), exact_specforge(i)
+        assert {k: (v.dtype, v.shape) for k, v in features.items()} == \
+            {k: (v.dtype, v.shape) for k, v in exact_features.items()}
+        worst = max(worst, fp8.error_to_bound(*(t.view(torch.int16).numpy().view(np.uint16)
+                                                  for t in (x["hidden_states"], read))))
+    assert 0.8 < worst <= 1
+
+
+def restoring_store(packed: dict, codec: str, work: Path) -> tuple[Store, list[str]]:
+    """A store under `work` whose packed shard is the `codec` dataset's file, its files all dropped, and
+    the dataset's sample ids."""
+    store = work / "store"
+    shutil.copytree(packed[codec] / "dataset", store / "packed")
     (store / "packed" / "data-00000-of-00001.arrow").rename(store / "packed" / "shard-00000.arrow")
-    ids = [r["sample_id"] for r in open_dataset(packed["zstd"] / "dataset")]
-    restoring = Store(store, store, 0, True,
-                      functools.partial(restore, n_captures=4, hidden_size=128, dtype="bfloat16"))
-    assert restoring.ensure(ids) == ids
+    ids = [r["sample_id"] for r in open_dataset(packed[codec] / "dataset")]
+    return Store(store, store, 0, True, functools.partial(restore, n_captures=4, hidden_size=128,
+                                                         dtype="bfloat16")), ids
+
+
+def test_a_dataset_may_mix_exact_and_fp8_rows(packed, tmp_path):
+    """Each frame says what it holds: a copy of the fp8 dataset whose even rows are the zstd dataset's
+    (the same samples) reads each row as its own kind, verified, and passes the full check."""
+    from eagle3data.dataset.check import full_check
+
+    mixed = tmp_path / "dataset"
+    shutil.copytree(packed["fp8"] / "dataset", mixed)
+    path = mixed / "data-00000-of-00001.arrow"
+    rows = {codec: pa.ipc.open_stream((packed[codec] / "dataset" / path.name).read_bytes()).read_all()
+            for codec in ("zstd", "fp8")}
+    table = pa.concat_tables([rows["zstd" if i % 2 == 0 else "fp8"].slice(i, 1) for i in range(SAMPLES)])
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    read = {name: [r["hidden_states"].view(torch.int16) for r in open_dataset(d)]
+            for name, d in (("mixed", mixed), ("zstd", packed["zstd"] / "dataset"), ("fp8", packed["fp8"] / "dataset"))}
+    assert not any(torch.equal(a, b) for a, b in zip(read["zstd"], read["fp8"]))  # the two kinds differ
+    assert all(torch.equal(row, read["zstd" if i % 2 == 0 else "fp8"][i]) for i, row in enumerate(read["mixed"]))
+    assert full_check(mixed, threads=2)[1] == []
+
+
+def test_pack_refuses_fp8_values_that_break_the_stated_bound(packed, tmp_path, monkeypatch):
+    """Pack checks every fp8 row against the bound before it writes it: with a bound tighter than e4m3's
+    rounding (2^-6 relative), the shard is refused, naming the sample and how far it broke the bound."""
+    settings = codec_settings(packed["model"], "zstd", "fp8_e4m3")
+    shard = validated_shard(settings, tmp_path, 2)
+    monkeypatch.setattr(fp8, "RELATIVE_ERROR", 2**-6)
+    with pytest.raises(BoundaryError, match=r"check fp8_e4m3 values read back within the stated error bound \| "
+                                            r"expected <= 1 x the bound \| found [\d.]+ x the bound") as refused:
+        pack_shard(shard, settings, tmp_path / "dataset", 2)
+    assert "storage.compression.precision: exact" in str(refused.value) and not (tmp_path / "dataset").exists()
+
+
+def test_a_dropped_store_file_is_not_restored_from_an_fp8_shard(packed, tmp_path):
+    """fp8 codes are not the values captured: a store asked for files that an fp8 shard packs restores
+    none, so extract computes them again."""
+    store, ids = restoring_store(packed, "fp8", tmp_path)
+    assert store.ensure(ids) == [] and not any(store.path(sid).exists() for sid in ids)
+
+
+def test_a_dropped_store_file_comes_back_from_the_compressed_shard_bit_for_bit(packed, tmp_path):
+    store, ids = restoring_store(packed, "zstd", tmp_path)
+    assert store.ensure(ids) == ids
     for sid in ids:
-        restored, original = (sample_path(d, sid) for d in (store, packed["store"]))
+        restored, original = store.path(sid), sample_path(packed["store"], sid)
         assert np.array_equal(load_states(str(restored)), load_states(str(original)))
         assert torch.equal(load_file(str(restored))["token_ids"], load_file(str(original))["token_ids"])
 
@@ -314,7 +426,7 @@ def test_a_dataset_of_format_3_is_verified_capture_by_capture(packed, tmp_path, 
     assert {f.check.split(":")[0] for f in found} == {"row 2"} and all(named in f.check for f in found)
 
 
-@pytest.mark.parametrize("codec", ["zstd", "none"])
+@pytest.mark.parametrize("codec", ["zstd", "none", "fp8"])
 def test_a_flipped_byte_in_a_rows_checksum_columns_fails_the_readers(packed, tmp_path, codec):
     """The stored CRC covers the captures' CRCs too: a byte flipped in row 0's hidden_states_crc32 (capture
     2's) or in row 3's hidden_states_stored_crc32 is refused by every reader and the full check, the
@@ -371,8 +483,8 @@ def flipped(path: Path, at: int) -> None:
 
 def damaged_copy(packed: dict, codec: str, work: Path) -> tuple[Path, dict[int, str]]:
     """A copy of the `codec` dataset with reader exports made from it, then a byte flipped in the stored
-    states of rows 1, 3 and 5 (raw: in captures 2, 0 and 3; zstd: inside the frame's compressed data) and
-    in row 4's token ids: (the copy, {row: the capture named, "" for the tokens})."""
+    states of rows 1, 3 and 5 (raw: in captures 2, 0 and 3; zstd, fp8: inside the frame's compressed data)
+    and in row 4's token ids: (the copy, {row: the capture named, "" for the tokens})."""
     from eagle3data.exports.specforge import export as export_specforge
     from eagle3data.exports.speculators import export as export_speculators
     from eagle3data.exports.vocab import write_vocab
@@ -386,7 +498,7 @@ def damaged_copy(packed: dict, codec: str, work: Path) -> tuple[Path, dict[int, 
     data, table = path.read_bytes(), datasets.load_from_disk(str(dataset)).with_format("arrow")[:]
     damage = {}
     for row, capture, token, fraction in ((1, 2, 5, 1 / 2), (3, 0, 0, 1 / 3), (5, 3, TOKENS - 1, 3 / 4)):
-        if codec == "zstd":
+        if codec != "none":
             frame = table["hidden_states"][row].as_py()
             flipped(path, data.index(frame) + int(len(frame) * fraction))
             damage[row] = "hidden_states_crc32"  # which captures the decoded values change in
@@ -400,7 +512,7 @@ def damaged_copy(packed: dict, codec: str, work: Path) -> tuple[Path, dict[int, 
     return dataset, damage
 
 
-@pytest.mark.parametrize("codec", ["zstd", "none"])
+@pytest.mark.parametrize("codec", ["zstd", "none", "fp8"])
 def test_a_flipped_byte_in_any_row_fails_every_reader_and_the_full_check_naming_row_and_capture(
         packed, tmp_path, codec, monkeypatch):
     from eagle3data.dataset.check import full_check, main as check_main

@@ -94,6 +94,18 @@ def test_exclusive_keys() -> None:
         validate_config(config, SCHEMA)
 
 
+def test_fp8_precision_needs_a_frame_codec() -> None:
+    """storage.compression.precision fp8_e4m3 is accepted with the default codec, and refused with codec
+    none (raw values hold no codes), naming both keys and what to set."""
+    message = problem(lambda c: c["storage"].update(compression={"codec": "none", "precision": "fp8_e4m3"}))
+    assert "storage.compression.codec and storage.compression.precision cannot be set together" in message
+    assert 'precision: "fp8_e4m3"' in message and "set codec zstd or lz4 with it" in message
+    config = demo()
+    config["storage"]["compression"] = {"precision": "fp8_e4m3"}
+    validate_config(config, SCHEMA)
+    assert config["storage"]["compression"] == {"precision": "fp8_e4m3", "codec": "zstd", "level": 1, "threads": 4}
+
+
 def test_missing_required_key() -> None:
     message = problem(lambda c: c.pop("input"))
     assert message.startswith("Invalid config: missing key input.")

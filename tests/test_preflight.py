@@ -1,10 +1,12 @@
 """The preflight's disk and time lines (`eagle3data.config.preflight.report`), in process: each enabled
-export's cost as plan.disk states it, and a time only where a measured run supports one."""
+export's cost as plan.disk states it (the dataset sized at the ratio measured for its precision), and a
+time only where a measured run supports one."""
 
 from __future__ import annotations
 
 import re
 
+import pytest
 from conftest import REPO, demo_config, with_defaults
 
 from eagle3data.plan import measured
@@ -38,6 +40,18 @@ def test_each_enabled_export_states_its_cost_and_a_measured_run_times_the_demo(t
     rate = measured.measured_rate("cpu", {"hidden_size": 128, "num_hidden_layers": 8, "intermediate_size": 256}, 1)
     line = next(line for line in text.splitlines() if line.startswith("time "))
     assert f"{rate.dataset_tps:,.0f} tok/s" in line and rate.hardware in line and rate.file in line
+
+
+def test_an_fp8_dataset_is_planned_at_the_ratio_measured_for_fp8(tiny_deepseek):
+    """storage.compression.precision fp8_e4m3: the preflight accepts it, names it among the settings that
+    differ, and sizes the packed dataset at the storage benchmark's fp8 ratio, not the exact one's."""
+    text = report(tiny_deepseek, storage={"compression": {"codec": "zstd", "precision": "fp8_e4m3"}},
+                  export={"speculators": {"enabled": True}})
+    assert 'storage.compression.precision: "fp8_e4m3" (default "exact")' in text
+    states = float(re.search(r"states +([\d.]+) MiB", text).group(1))
+    dataset = float(re.search(r"the packed dataset's ([\d.]+) MiB", text).group(1))
+    assert measured.stored_ratio(precision="fp8_e4m3") < 0.8 * measured.stored_ratio()
+    assert dataset == pytest.approx(states * measured.stored_ratio(precision="fp8_e4m3"), rel=0.05)
 
 
 def test_no_time_without_a_measurement_of_that_shape_and_parallelism(tiny_deepseek):

@@ -31,8 +31,9 @@ from eagle3data.bench.crosscheck import parse_capture_arg, parse_engine_args
 DEMO_MODEL = "resources/demo-model"
 DEMO_CAPTURES = "2:input,4:input,5:input,7:output"
 NAMES = {"1": "extract", "7": "steady", "7d": "to_dataset", "7w": "whole_run", "7t": "tail", "2": "validate", "3": "pack",
-         "3m": "pack_memory", "4": "tokenize", "5": "planning", "6": "storage", "12": "reader", "12v": "verify", "9": "load", "10": "footprint_peak",
-         "11": "footprint_after", "13": "parity"}  # 3m is pack's memory; 7 a run's steady part, 7d to its dataset, 7w whole, 7t tail
+         "3m": "pack_memory", "4": "tokenize", "5": "planning", "6": "storage", "6f": "fp8_storage",
+         "6e": "fp8_error", "12": "reader", "12v": "verify", "9": "load", "10": "footprint_peak",
+         "11": "footprint_after", "13": "parity"}  # 3m is pack's memory; 7 a run's steady part, 7d to its dataset, 7w whole, 7t tail; 6f, 6e fp8's bytes and error
 ORDER = tuple(NAMES)
 
 
@@ -211,12 +212,12 @@ def io_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, li
 
 
 def storage_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
-    """Figure 6 on real SmolLM2 states and the demo, figure 12 the trainers' readers on them
-    (eagle3data.bench.storage)."""
+    """Figure 6 on real SmolLM2 states and the demo, 6f and 6e the same states as fp8, figure 12 the
+    trainers' readers on them (eagle3data.bench.storage)."""
     from eagle3data.bench.storage import describe_verification, measure
 
     r = measure(work / "storage", args.model, scale.storage_conversations, scale.reader_repeats)
-    real, demo, codecs = r["smollm2"], r["demo"], r["smollm2_codecs"]
+    real, demo, codecs, error = r["smollm2"], r["demo"], r["smollm2_codecs"], r["fp8_error"]
     kimi = measured.get("io")
     synthetic = (f"; Kimi-shaped random normal bf16 (figures 2-3's files) "
                  f"{kimi['dataset_bytes_per_token'] / kimi['raw_state_bytes_per_token']:.4f}" if kimi else "")
@@ -233,6 +234,21 @@ def storage_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
                f"{r['smollm2_uncompressed']['stored_over_raw']:.4f}; the same states as frames: "
                + ", ".join(f"{k} {v['frames_over_raw']:.4f}" for k, v in codecs.items())
                + f"; the demo {demo['stored_over_raw']:.4f} ({demo['tokens']} tokens){synthetic}"),
+        judged("6f", "fp8_storage", r["smollm2_fp8"]["stored_over_raw"], "<= 0.40",
+               f"the same states packed as fp8_e4m3 (zstd level 1): dataset files "
+               f"{r['smollm2_fp8']['stored_bytes'] / 1e6:.1f} MB of {real['raw_state_bytes'] / 1e6:.1f} MB raw bf16 "
+               f"(exact {real['stored_over_raw']:.4f}); its e4m3 codes' order-0 entropy "
+               f"{error['codes_entropy_bits']:.3f} bits a value = {error['codes_entropy_bits'] / 16:.4f} of raw "
+               f"bf16, what a byte-wise entropy coder reaches at best; speculators' reader "
+               f"{rates['fp8']['speculators']:.2f} GB/s of bf16 states (exact {c['speculators']:.2f}), SpecForge's "
+               f"{rates['fp8']['specforge']:.2f}, open_dataset {rates['fp8']['open_dataset']:.2f}"),
+        judged("6e", "fp8_error", error["worst_relative"], "<= 0.0703",
+               "worst ||fp8 - bf16|| / ||bf16|| of a sample's capture, as the readers return them (goal: the "
+               "per-value bound 2^-4 + 2^-7); worst / median by capture: "
+               + ", ".join(f"{n} {e['worst']:.4f} / {e['median']:.4f}" for n, e in error["by_capture"].items())
+               + f"; every value's error at most {error['worst_error_over_bound']:.3f} of its stated bound; "
+               f"{error['below_normal_share']:.2e} of the values below e4m3's normal range (2^-6 of their "
+               "token's largest), where the bound's absolute part applies"),
         judged("12", "reader", c["speculators"], ">= 1",
                f"GB/s of raw states through speculators' reader (eagle3data backend) on the compressed "
                f"dataset, from the page cache, {r['blosc2_threads']} Blosc2 threads; uncompressed "
@@ -295,7 +311,7 @@ GROUPS = {  # name: (figures it yields, function(args, scale, work, measured so 
     "planning": (("5",), planning_figures),
     "tokenize": (("4",), tokenize_figures),
     "io": (("2", "3", "3m"), io_figures),
-    "storage": (("6", "12", "12v"), storage_figures),
+    "storage": (("6", "6f", "6e", "12", "12v"), storage_figures),
     "extract": (("1",), extract_figures),
     "end_to_end": (("7", "7d", "7w", "7t", "10", "11"), end_to_end_figures),
     "load": (("9",), load_figures),

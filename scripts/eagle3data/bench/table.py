@@ -48,6 +48,9 @@ FIGURES: dict[str, tuple[str, str]] = {
     "4": ("tokenize samples/s / bare tokenizer", ""),
     "5": ("seconds of `snakemake -n` for 1,000,000 conversations", "< 30"),
     "6": ("packed dataset bytes / raw bf16 state bytes", "<= 0.72"),
+    "6f": ("packed dataset bytes / raw bf16 state bytes, states stored as fp8_e4m3 (lossy)", "<= 0.40"),
+    "6e": ("fp8_e4m3 states read back: the worst ||fp8 - bf16|| / ||bf16|| of a sample's capture (goal: the "
+           "per-value bound)", "<= 0.0703"),
     "7": ("a run's steady part, engine ready to the last extract job's end: packed tok/s / bare prefill tok/s",
           ">= 0.95"),
     "7d": ("a run from its engine ready to the packed dataset: packed tok/s / bare prefill tok/s", ">= 0.85"),
@@ -238,6 +241,13 @@ def _values(cur: dict, hw: str, figure: str) -> list[float]:
     return worst_first(figure, [r.value for r in cur[(hw, figure)]])
 
 
+def _fp8_reader(cur: dict) -> list[dict[str, float]]:
+    """GB/s of states through speculators' reader on each dataset ("fp8", "compressed": exact zstd, "raw"),
+    in each run of figure 6f's series."""
+    runs = [load(MEASUREMENTS / r.file)["measurements"]["storage"] for r in cur[(CPU, "6f")]]
+    return [{name: by["speculators"] / 1e9 for name, by in run["readers"]["bytes_per_second"].items()} for run in runs]
+
+
 def _span(values: list[float], digits: int = 2) -> str:
     lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
     return lo if lo == hi else f"{lo}-{hi}"
@@ -248,6 +258,14 @@ H100_REAL = "1x H100, random normal(0, 0.02) weights"
 QUOTES = {
     "states-ratio": ("figure 6, the worst run: the packed dataset's bytes / raw bf16 bytes of real states",
                      lambda cur: f"{stored_ratio(cur):.2f}"),
+    "fp8-ratio": ("figure 6f, the worst run: the fp8_e4m3 dataset's bytes / raw bf16 bytes of real states",
+                  lambda cur: f"{stored_ratio(cur, 'fp8_e4m3'):.2f}"),
+    "fp8-error": ("figure 6e, the worst run: the largest relative error of a sample's capture read back from fp8",
+                  lambda cur: f"{_values(cur, CPU, '6e')[0]:.3f}"),
+    "fp8-reader-gbps": ("figure 6f's runs: GB/s of states through speculators' reader on the fp8 dataset, 2 cores",
+                        lambda cur: _span([run["fp8"] for run in _fp8_reader(cur)])),
+    "fp8-reader-ratio": ("figure 6f's runs: that rate / the same reader's on the exact zstd dataset, run by run",
+                         lambda cur: _span([run["fp8"] / run["compressed"] for run in _fp8_reader(cur)])),
     "reader-gbps": ("figure 12's runs: GB/s of states through speculators' reader on 2 cores",
                     lambda cur: _span(_values(cur, CPU, "12"))),
     "verify-ratio": ("figure 12v's runs: the reader verifying / not",
@@ -307,14 +325,17 @@ def expectations(rows: list[Row]) -> str:
     lines += ["", f"States of real entropy (a random-normal 8B checkpoint: {runs[0]['machine']}) through the extract "
               f"stage alone, raw files: {extract[0]:,.0f}-{extract[-1]:,.0f} tok/s, bare prefill "
               f"{bare[0]:,.0f}-{bare[-1]:,.0f} tok/s ({len(runs)} runs, {link(real[0].file, 'measurements/')})."]
-    ratio = stored_ratio(cur)
+    ratio, lossy = stored_ratio(cur), stored_ratio(cur, "fp8_e4m3")
     lines += ["", f"States per token, 4 captures in bf16, raw and stored with zstd (the default) at {ratio:.3f} of "
-              "their bytes (the storage benchmark's worst run, real SmolLM2-135M-Instruct states):", "",
-              "| model | hidden | raw bytes a token | stored bytes a token | GB per million tokens stored |",
-              "| --- | --- | --- | --- | --- |"]
+              f"their bytes, or as fp8_e4m3 codes (lossy, `storage.compression.precision`) at {lossy:.3f} (the "
+              "storage benchmark's worst runs, real SmolLM2-135M-Instruct states):", "",
+              "| model | hidden | raw bytes a token | stored bytes a token | GB per million tokens stored | "
+              "fp8_e4m3: bytes a token | fp8_e4m3: GB per million tokens |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, hidden in SHAPES:
         raw = 4 * hidden * 2
-        lines.append(f"| {name} | {hidden:,} | {raw:,} | {raw * ratio:,.0f} | {raw * ratio * 1e6 / 1e9:.1f} |")
+        lines.append(f"| {name} | {hidden:,} | {raw:,} | {raw * ratio:,.0f} | {raw * ratio * 1e6 / 1e9:.1f} | "
+                     f"{raw * lossy:,.0f} | {raw * lossy * 1e6 / 1e9:.1f} |")
     return "\n".join(lines)
 
 

@@ -137,8 +137,9 @@ def _exports(settings: Settings, sizes: dict) -> tuple[float, list[str]]:
     """What each enabled export adds to the run (plan.disk's model, the dataset's size estimated from the
     states' raw bytes and the stored ratio measured on real states), and its bytes together."""
     config, lines, total = settings.config, [], 0.0
-    compressed = config["storage"]["compression"]["codec"] != "none"
-    dataset = sizes["states"] * (measured.stored_ratio() if compressed else 1.0)
+    compression = config["storage"]["compression"]
+    dataset = sizes["states"] * (measured.stored_ratio(precision=compression["precision"])
+                                 if compression["codec"] != "none" else 1.0)
     for trainer in ("speculators", "specforge"):
         export = config["export"][trainer]
         if not export["enabled"]:

@@ -98,7 +98,10 @@ class Settings:
             },
             "hidden_size": self.model.hidden_size,
             "dtype": self.dtype,
-            "storage": ("hidden_states holds each row's states as one Blosc2 frame (see compression; "
+            "storage": ("hidden_states holds each row's states as one Blosc2 frame of float8 e4m3 codes and "
+                        "their scales, lossy (see compression, its error_bound; eagle3data.decode_states reads "
+                        "them back as bf16)" if compression.lossy else
+                        "hidden_states holds each row's states as one Blosc2 frame (see compression; "
                         "eagle3data.decode_states); decompressed, raw bf16 bit patterns as uint16"
                         if compression.enabled else
                         "hidden_states holds raw bf16 bit patterns as uint16; view as bfloat16"),

@@ -3,7 +3,8 @@
 Written by `pack` from the dataset's metadata, whose `trainers` key (see `trainers.trainer_settings`)
 holds, per trainer, the settings that match the data: layer ids in that trainer's own convention, which
 final state it gets (before or after the final norm), hidden size and dtype, or why it cannot use the
-data. The card renders the same facts for people, with what a receiver can check: the parity gate's verdict
+data. The card renders the same facts for people, with whether the states are stored lossy (fp8, and
+the bound each value keeps) and what a receiver can check: the parity gate's verdict
 (the states held against the checkpoint when they were made) and how to verify every byte after a copy;
 docs/training.md has the full commands.
 """
@@ -47,6 +48,19 @@ def _specforge(s: dict) -> list[str]:
     ]
 
 
+def _lossy(metadata: dict) -> list[str]:
+    """What lossy storage (`storage.compression.precision`) cost the states, or nothing for exact ones."""
+    about = metadata.get("compression") or {}
+    if not about.get("lossy"):
+        return []
+    bound = about["error_bound"]
+    return ["", f"The states are stored lossy (`storage.compression.precision: {about['precision']}`): float8 e4m3 "
+            f"codes with one float32 scale per token and capture. Each value reads back as {metadata['dtype']} "
+            f"with an error of at most {bound['relative']:.4g} x its captured magnitude + "
+            f"{bound['absolute_of_token_max']:.3g} x the largest magnitude of its token in that capture "
+            "(`compression.error_bound` in the metadata); the captured values themselves are not kept."]
+
+
 def _checks(parity: dict) -> list[str]:
     lines = ["## Checks", ""]
     if parity.get("status") == "off":
@@ -81,6 +95,7 @@ def render_card(metadata: dict) -> str:
         f"decoder layers, hidden size {metadata['hidden_size']}; states in {metadata['dtype']}, at most "
         f"{metadata['sequence']['max_seq_len']} tokens per sample. Written by eagle3-datagen; the full "
         "metadata is in `eagle3_metadata.json`. Open with `eagle3data.open_dataset`.",
+        *_lossy(metadata),
         "",
         "## Hidden states (slot order; no final norm applied to any slot)",
         "",

@@ -5,8 +5,8 @@ the dataset alone. The default (quick) check reads no hidden states' values: the
 complete, the Arrow schema is the one the metadata implies, the row count equals the packed count
 recorded at pack time (and the counts reconcile), sample ids are unique, and every row is whole (ids,
 mask and one state row per token; a binary mask with a trainable token). Compressed states
-(storage/compression.py) are not decompressed: each row's frame header says how many bytes it holds,
-one token's states per `n_captures x hidden_size` values. `pack` runs it on every dataset before
+(storage/compression.py) are not decompressed: each row's frame header says how many values it holds
+(bf16 values or fp8 codes), one token's states per `n_captures x hidden_size` of them. `pack` runs it on every dataset before
 publishing.
 
 `--full` then reads every byte: each data file's Arrow structure validated in full, every row verified
@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from eagle3data.dataset import format as fmt
-from eagle3data.storage.compression import available_cores, frame_bytes
+from eagle3data.storage.compression import available_cores, frame_tokens
 from eagle3data.utils.overlap import ahead
 from eagle3data.contracts.failures import BoundaryError, Failure, show, summary, validate
 from eagle3data.contracts.schemas import PackedRows
@@ -89,17 +89,17 @@ def _per_row(values: pa.Array, weights: np.ndarray, n: int) -> np.ndarray:
     return np.bincount(parents, weights=weights, minlength=n).astype(np.int64)
 
 
-def _frame_rows(column: pa.ChunkedArray, token_bytes: int) -> np.ndarray:
+def _frame_rows(column: pa.ChunkedArray, token_values: int) -> np.ndarray:
     """Per row the tokens its compressed frame holds, from the frame's header (-1: not a frame, or not
     whole tokens); only the pages of each frame that Blosc2 reads are touched (`fmt.frame_buffer`)."""
     frames = (fmt.frame_buffer(column, i) for i in range(len(column)))
-    sizes = np.array([-1 if frame is None else frame_bytes(frame) for frame in frames], dtype=np.int64)
-    return np.where((sizes >= 0) & (sizes % token_bytes == 0), sizes // token_bytes, -1)
+    return np.array([-1 if frame is None else frame_tokens(frame, token_values) for frame in frames],
+                    dtype=np.int64)
 
 
-def packed_rows(table: pa.Table, token_bytes: int = 0) -> pd.DataFrame:
+def packed_rows(table: pa.Table, token_values: int = 0) -> pd.DataFrame:
     """The PackedRows table of a dataset: lengths and mask counts, computed in Arrow, per row
-    (`token_bytes`: a token's raw state bytes, for compressed states)."""
+    (`token_values`: a token's state values, n_captures x hidden_size, for compressed states)."""
     def lengths(name: str) -> np.ndarray:
         return pc.fill_null(pc.list_value_length(table[name]), -1).to_numpy().astype(np.int64)
 
@@ -112,7 +112,7 @@ def packed_rows(table: pa.Table, token_bytes: int = 0) -> pd.DataFrame:
             "seq_len": table["seq_len"].to_numpy().astype(np.int64),
             "ids_length": lengths("input_ids"),
             "mask_length": lengths("loss_mask"),
-            "state_rows": (_frame_rows(table["hidden_states"], token_bytes)
+            "state_rows": (_frame_rows(table["hidden_states"], token_values)
                            if pa.types.is_large_binary(table["hidden_states"].type) else lengths("hidden_states")),
             "trainable": _per_row(mask, (mask_values == 1).astype(np.int64), n),
             "non_binary_mask": _per_row(mask, ~np.isin(mask_values, (0, 1)), n),
@@ -138,7 +138,7 @@ def check_dataset(path: str | Path) -> str:
                        for name in dict.fromkeys([*want, *have]) if want.get(name) != have.get(name)]
             found += columns + _counts(meta, table.num_rows, str(path / fmt.METADATA_FILE))
             if not columns:
-                found += validate(PackedRows, packed_rows(table, fmt.token_bytes(meta)), str(path))[1]
+                found += validate(PackedRows, packed_rows(table, len(meta["captures"]) * meta["hidden_size"]), str(path))[1]
     if found:
         total = meta.get("counts", {}).get("packed", 0) if meta else 0
         raise DatasetCheckError(summary(f"dataset {path} fails its checks", found, total, [str(path)]))

@@ -8,13 +8,18 @@ So the states are held as their raw 16-bit patterns, stored in one of two ways, 
   states); `open_dataset` and `decode_states` decompress a row when it is read;
 - `codec: none` (and every dataset written before compression, format 1): per sample a list of L rows,
   each a fixed-size list of `n_captures * H` uint16 (slot-major within a token), which `open_dataset`
-  views back as bf16 `[L, n_captures, H]` without copying.
+  views back as bf16 `[L, n_captures, H]` without copying;
+- `precision: fp8_e4m3` (lossy, opt-in): the frame holds float8 e4m3 codes and a scale per token and
+  capture (storage/fp8.py), and its metalayer says so: readers return the same bf16 `[L, n_captures, H]`,
+  within the bound the metadata's `compression.error_bound` states. A row says what it holds, so a dataset
+  may mix exact and fp8 frames.
 What each slot means is in the metadata (`eagle3` key of the dataset info), written by `pack` and
 checked by `open_dataset`.
 
 Every row carries checksums (format 4): `hidden_states_crc32`, per capture in slot order the CRC32 of
-its raw values (`[L, H]` in storage dtype, token by token: the CRCs validate recorded and pack proved the
-stored bytes give back); `hidden_states_stored_crc32`, one CRC32 of the row's `hidden_states` as stored
+the values the row reads back as (`[L, H]` in storage dtype, token by token: for an exact row the CRCs
+validate recorded and pack proved the stored bytes give back; for an fp8 row those of its decoded values,
+which pack checked within the error bound of the validated ones); `hidden_states_stored_crc32`, one CRC32 of the row's `hidden_states` as stored
 (a compressed row's Blosc2 frame, a raw row's values buffer) continued over its `hidden_states_crc32`
 (uint32, little-endian); and `tokens_crc32`, the CRC32 of the row's sample id (UTF-8), `input_ids`
 (int32), `loss_mask` (int8) and `seq_len` (int32), little-endian, in that order. Every reader here
@@ -66,8 +71,9 @@ TOKENS_CRC = "tokens_crc32"  # per row: uint32 of sample_id, input_ids, loss_mas
 COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len", "hidden_states", STATES_CRC, STORED_CRC, TOKENS_CRC)
 CHECKSUMS = {  # the metadata's `checksums`: what the three columns hold
     "algorithm": "CRC-32 (zlib's polynomial and values)",
-    STATES_CRC: "per capture, slot order: the capture's raw values [seq_len, hidden_size] in the storage dtype "
-                "(bf16 as its 16-bit patterns), token by token, as validate recorded them",
+    STATES_CRC: "per capture, slot order: the capture's values as the row reads back [seq_len, hidden_size] in "
+                "the storage dtype (bf16 as its 16-bit patterns), token by token: the raw values as validate "
+                "recorded them; for a row stored as fp8_e4m3 codes (lossy), the values its frame decodes to",
     STORED_CRC: "hidden_states as stored (compressed: the Blosc2 frame's bytes; raw: the row's values "
                 "[seq_len, n_captures * hidden_size], C order, little-endian), then the row's "
                 "hidden_states_crc32 as uint32 little-endian, in that order",

@@ -16,7 +16,10 @@ a duplicate (duplicates.py: one table for the run, written after tokenize).
 Under `storage.compression.codec: zstd` (storage/compression.py) each raw store file (as the engine
 writes them) is compressed by the thread that read it, and its frame checked by decompressing it against
 the CRCs validate recorded. A file an earlier version's writer threads compressed keeps its frame, checked
-by the CRC of its bytes and the raw values' CRCs its header states (`_verified_states`).
+by the CRC of its bytes and the raw values' CRCs its header states (`_verified_states`). Under
+`storage.compression.precision: fp8_e4m3` (storage/fp8.py) the frame holds e4m3 codes: it is decoded, its
+values refused unless each keeps the stated error bound against the validated values, and the row's
+`hidden_states_crc32` are the CRCs of those decoded values, which every reader returns and verifies.
 
 Each row carries those CRCs (`hidden_states_crc32`, per capture), one of its stored states (the frame, or
 the raw values) and of those (`hidden_states_stored_crc32`), and one of its sample id, token ids, mask and
@@ -41,7 +44,8 @@ import pyarrow.parquet as pq
 from datasets.arrow_writer import ArrowWriter
 
 from eagle3data.dataset import format as fmt
-from eagle3data.storage.compression import Compression, decode, frame_checksum
+from eagle3data.storage import fp8
+from eagle3data.storage.compression import Compression, capture_crcs, decode, frame_checksum
 from eagle3data.dataset.duplicates import packed_earlier, write_index
 from eagle3data.contracts.failures import BoundaryError, Failure, show, summary, validate
 from eagle3data.dataset.index import IndexJob, index
@@ -107,13 +111,15 @@ class ShardPackJob:
 
 
 def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndarray,
-                     compression: Compression | None = None) -> bytes | bytearray | None:
+                     compression: Compression | None = None) -> tuple[bytes | bytearray | None, list[int]]:
     """Read the sample's states into `out`, refused unless every capture's checksum is the one validate
-    recorded; with `compression`, return the frame to store. A file the engine compressed as `compression`
-    compresses is not decompressed: its frame is stored as it is, refused unless its bytes have the CRC its
-    header states and the header states the validated checksums (its writer proved the frame gives back
-    the values those are of). Any other file is read (a compressed one decompressed) and its values
-    checked; a frame made here is refused unless it decompresses to the same checksums."""
+    recorded; return the frame to store (with `compression`, else None) and the row's `hidden_states_crc32`.
+    A file the engine compressed as `compression` compresses is not decompressed: its frame is stored as it
+    is, refused unless its bytes have the CRC its header states and the header states the validated
+    checksums (its writer proved the frame gives back the values those are of). Any other file is read (a
+    compressed one decompressed) and its values checked; a frame made here is refused unless it
+    decompresses to the same checksums, or (fp8) to values within the stated error bound of them, whose
+    CRCs the row then carries."""
     path, expected = captures[0].path, [c.checksum for c in captures]
     stored = None
     try:
@@ -131,19 +137,30 @@ def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndar
         raise BoundaryError(
             f"{failure}\nThe file changed after validate; re-check it: snakemake --forcerun validate"
         )
+    crcs = [int(c, 16) for c in expected]
     if compression is None:
-        return None
+        return None, crcs
     if stored is not None and not stored.decoded:
-        return stored.frame
+        return stored.frame, crcs
     frame = compression.encode(out)
     stored = decode(frame, out.shape[1], out.shape[2], out.dtype, threads=compression.threads)
-    found = [checksum(stored[:, c.slot, :]) for c in captures]
-    if found != expected:  # a fault of the codec or the memory, never of the file
+    if compression.lossy:
+        excess = fp8.error_to_bound(out, stored)
+        if excess <= 1:
+            return frame, capture_crcs(stored)
+        failure = Failure(sample_id, f"{compression.precision} values read back within the stated error bound",
+                          "<= 1 x the bound", f"{excess:.3f} x the bound", path)
+        instead = "storage.compression.precision: exact"
+    else:
+        found = [checksum(stored[:, c.slot, :]) for c in captures]
+        if found == expected:
+            return frame, crcs
         failure = Failure(sample_id, "checksums of the compressed states == validated checksums", show(expected),
                           show(found), path)
-        raise BoundaryError(f"{failure}\nCompression did not give the states back (storage/compression.py); "
-                            "pack again, or set storage.compression.codec: none")
-    return frame
+        instead = "storage.compression.codec: none"
+    # a fault of the codec or the memory, never of the file
+    raise BoundaryError(f"{failure}\nCompression did not give the states back (storage/compression.py); "
+                        f"pack again, or set {instead}")
 
 
 def _checked_shard(tok_path: str, states_path: str, quarantined_path: str, manifest_contract,
@@ -195,10 +212,11 @@ def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, d
         # The batch's states in one buffer, each sample read straight into its place: nothing to concatenate.
         states = np.empty((sum(lengths), len(meta["captures"]), meta["hidden_size"]), dtype=storage)
         places = [states[end - length : end] for end, length in zip(itertools.accumulate(lengths), lengths)]
-        frames = list(readers.map(_verified_states, [r.sample_id for r in chunk],
-                                  [captures[r.sample_id] for r in chunk], places, [compression] * len(chunk)))
-        # The CRCs validate recorded, which _verified_states proved the stored states give back.
-        crcs = [[int(c.checksum, 16) for c in captures[r.sample_id]] for r in chunk]
+        # Each row's frame and the CRCs of the values it gives back (_verified_states proved it): those
+        # validate recorded, or (fp8) those of the values read back.
+        frames, crcs = zip(*readers.map(_verified_states, [r.sample_id for r in chunk],
+                                        [captures[r.sample_id] for r in chunk], places, [compression] * len(chunk)))
+        frames, crcs = list(frames), list(crcs)
         stored = frames if compression else [place.reshape(-1).view(np.uint8) for place in places]
         yield {
             "sample_id": [r.sample_id for r in chunk],
@@ -237,9 +255,8 @@ def pack_shard(job: ShardPackJob) -> dict:
     features = fmt.meta_features(meta)
     compression = None
     if fmt.is_compressed(meta):
-        settings = meta["compression"]
         # One Blosc2 thread a sample: the job's threads compress that many samples side by side.
-        compression = Compression(settings["codec"], settings["level"], 1)
+        compression = Compression.from_metadata(meta["compression"], 1)
     _remove_outdated(job.dataset, job.dataset_counts)
     check_room([job.states], job.arrow, job.store, "the packed shard")
     began = time.perf_counter()
@@ -275,7 +292,8 @@ def pack_shard(job: ShardPackJob) -> dict:
                "states_bytes": raw, "pack_seconds": time.perf_counter() - began, "duplicates": dup_rows}
     atomic_write_text(job.summary, json.dumps(summary, indent=2))
     logger.info("packed %d samples (%.1f MB of states%s) of %s into %s", packed, raw / 1e6,
-                f", stored in {nbytes / 1e6:.1f} MB with {meta['compression']['codec']}" if compression else "",
+                f", stored in {nbytes / 1e6:.1f} MB with {meta['compression']['codec']}"
+                + (f" as {compression.precision}" if compression.lossy else "") if compression else "",
                 job.tokenized, job.arrow)
     if job.store.drops:
         duplicates = {d["sample_id"] for d in dup_rows}  # packed by an earlier shard, maybe not yet

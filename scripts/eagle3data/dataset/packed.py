@@ -14,7 +14,9 @@ or pack job of a re-run) first has the store give it back (`Store.ensure`, throu
 settings hand the store): the same tensors, checked afterwards like every stored file (tokens by extract and
 validate, checksums by pack). A sample that no packed shard holds stays missing and is computed or reported as
 before. Without the setting nothing is restored: a store file gone then is damage, and validate reports it
-(the corruption catalogue's `gone`).
+(the corruption catalogue's `gone`). A row packed as fp8_e4m3 codes (`storage.compression.precision`) holds
+no longer the values captured, so it gives back nothing: its sample counts as held by no packed shard, and
+extract computes it again.
 """
 
 from __future__ import annotations
@@ -33,13 +35,36 @@ def restore(store: Store, sample_ids: list[str], n_captures: int, hidden_size: i
     """Write back into the store (`Store.path`: its samples directory), from its packed shards, the
     files of these samples; the ids restored. The store's `restore` under storage.drop_packed_states
     (`Settings.store`), which asks only for the files missing."""
-    restored = []
+    restored, lossy = [], []
     for sample_id, table, i, arrow in _packed_rows(store, set(sample_ids)):
+        if _lossy(table, i):
+            lossy.append(sample_id)
+            continue
         _restore_file(store.path(sample_id), table.slice(i, 1), n_captures, hidden_size, dtype, f"{arrow}, row {i}")
         restored.append(sample_id)
     if restored:
         logger.info("restored %d dropped states files from the packed shards in %s", len(restored), store.packed)
+    if lossy:
+        logger.warning("not restored: %d dropped states files whose packed rows in %s hold fp8_e4m3 codes (lossy), "
+                       "not the captured values; extract computes them again (a validate or pack job that needs "
+                       "them fails: run the shard's extract again, snakemake --forcerun extract)",
+                       len(lossy), store.packed)
     return restored
+
+
+def _lossy(table, i: int) -> bool:
+    """Whether a packed row holds lossy codes (storage/compression.py's `precision`); a row that is no frame
+    goes on to be verified, and refused, as it is."""
+    import pyarrow as pa
+
+    from eagle3data.dataset.format import stored_bytes
+    from eagle3data.storage.compression import FrameError, precision
+
+    stored = stored_bytes(table, i)
+    try:
+        return isinstance(stored, pa.Buffer) and precision(stored) != "exact"
+    except FrameError:
+        return False
 
 
 def _restore_file(path: Path, table, n_captures: int, hidden_size: int, dtype: str, where: str) -> None:

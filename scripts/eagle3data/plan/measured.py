@@ -144,7 +144,12 @@ def measured_rate(device: str, model: dict, tensor_parallel: int, codec: str = "
     return min(fits, key=lambda r: r.dataset_tps, default=None)
 
 
-def stored_ratio(cur: dict[tuple[str, str], list[Row]] | None = None) -> float:
-    """The packed dataset's bytes / raw bytes of real states with zstd: figure 6's worst (largest) current
-    run on the CPU, where the storage benchmark runs; `cur` (from current()) or else the index on disk."""
-    return max(r.value for r in (cur or current(read_index()))[(CPU, "6")])
+# storage.compression.precision -> the figure of the packed dataset's bytes / raw bf16 bytes of real states
+STORED_FIGURES = {"exact": "6", "fp8_e4m3": "6f"}
+
+
+def stored_ratio(cur: dict[tuple[str, str], list[Row]] | None = None, precision: str = "exact") -> float:
+    """The packed dataset's bytes / raw bytes of real states with zstd at `precision`: figure 6's (exact) or
+    6f's (fp8_e4m3) worst (largest) current run on the CPU, where the storage benchmark runs; `cur` (from
+    current()) or else the index on disk."""
+    return max(r.value for r in (cur or current(read_index()))[(CPU, STORED_FIGURES[precision])])

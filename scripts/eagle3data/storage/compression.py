@@ -1,4 +1,4 @@
-"""Lossless compression of the states (`storage.compression`, on by default): Blosc2, byte shuffle + zstd.
+"""Compression of the states (`storage.compression`, on by default): Blosc2, byte shuffle + zstd.
 
 A bf16 state's two bytes differ: the high one (sign and most of the exponent) repeats from value to
 value and compresses to ~0.4 of itself, the low one (mantissa) hardly at all. Blosc2's byte-shuffle
@@ -20,6 +20,12 @@ Pack compresses each sample as it packs it, in threads of its own process (`enco
 frame by decompressing it against the CRCs validate recorded. A store file written compressed by an earlier version (`hidden_states_frame`
 beside `token_ids`, its safetensors metadata `FRAME_KEY` saying what the frame holds) is still read, and
 pack stores its frame as it is after checking its bytes against the CRC its header states.
+
+`precision: fp8_e4m3` (lossy, never the default; storage/fp8.py) stores each value as a float8 e4m3 code
+with a float32 scale per token and capture, in the same frame: the codes are its data (one byte a value, so
+the shuffle leaves them as they are), the scales its variable-length metadata `scales` (`[L, n_captures]`,
+little-endian), and its fixed metalayer `FP8_META` says so and names the dtype the values read back in.
+`decode` reads either kind of frame into the same values' dtype, so a dataset may hold both.
 """
 
 from __future__ import annotations
@@ -32,8 +38,13 @@ from dataclasses import dataclass
 import numpy as np
 from isal import isal_zlib
 
+from eagle3data.storage import fp8
+
 LIBRARY = "blosc2"
 CODECS = ("zstd", "lz4", "none")
+PRECISIONS = ("exact", "fp8_e4m3")  # storage.compression.precision: the captured values, or e4m3 codes
+FP8_META = "eagle3data"  # an fp8 frame's metalayer: {"precision": "fp8_e4m3", "dtype": what its values read back in}
+FP8_SCALES = "scales"  # an fp8 frame's vlmeta entry: float32 [L, n_captures], little-endian
 FILTER = "shuffle"  # Blosc2's byte shuffle: each byte position of a block's values together
 BLOCK_BYTES = 1 << 20  # measured on real SmolLM2 states: 1 MiB 0.713, Blosc2's automatic size 0.721
 CHUNK_BYTES = 1 << 28  # Blosc2's chunks hold < 2 GiB; a 128k-token Kimi sample (7 GB) takes 27 of these
@@ -51,59 +62,105 @@ def available_cores() -> int:
 @dataclass(frozen=True)
 class Compression:
     """How the states are stored: `codec` zstd or lz4 at `level`, with Blosc2's byte shuffle, or none
-    (raw values, the format before compression); `threads` Blosc2 threads a row."""
+    (raw values, the format before compression); `threads` Blosc2 threads a row; `precision` exact (the
+    values bit for bit) or fp8_e4m3 (lossy codes in the frame, storage/fp8.py)."""
 
     codec: str
     level: int
     threads: int = 1
+    precision: str = "exact"
 
     def __post_init__(self):
         if self.codec not in CODECS:
             raise ValueError(f"storage.compression.codec: expected one of {CODECS}, found {self.codec!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"storage.compression.precision: expected one of {PRECISIONS}, found {self.precision!r}")
+        if self.lossy and not self.enabled:
+            raise ValueError("storage.compression.precision: fp8_e4m3 stores its codes in a frame, and codec none "
+                             "stores raw values: set codec zstd or lz4, or precision exact")
 
     @classmethod
     def from_config(cls, storage: dict, threads: int = 1) -> Compression:
         """From the `storage` section, its `compression` block (config/schema.yaml fills in its defaults)."""
-        return cls(storage["compression"]["codec"], storage["compression"]["level"], threads)
+        block = storage["compression"]
+        return cls(block["codec"], block["level"], threads, block["precision"])
+
+    @classmethod
+    def from_metadata(cls, about: dict, threads: int = 1) -> Compression:
+        """From a dataset's metadata `compression` (`metadata`; without `precision`: exact)."""
+        return cls(about["codec"], about["level"], threads, about.get("precision", "exact"))
 
     @property
     def enabled(self) -> bool:
         return self.codec != "none"
 
+    @property
+    def lossy(self) -> bool:
+        return self.precision != "exact"
+
     def metadata(self) -> dict:
         """What the dataset's metadata says about its stored states (the threads are not a property of
-        the bytes, so not stated)."""
+        the bytes, so not stated; `precision` only where it is not exact, as before it existed)."""
         if not self.enabled:
             return {"codec": "none"}
         import blosc2
 
-        return {"library": LIBRARY, "version": blosc2.__version__, "container": "Blosc2 contiguous frame (cframe) "
-                "per row: the row's [seq_len, n_captures, hidden_size] states, C order, storage dtype",
-                "codec": self.codec, "level": self.level, "filter": FILTER, "block_bytes": BLOCK_BYTES,
-                "chunk_bytes": CHUNK_BYTES}
+        about = {"library": LIBRARY, "version": blosc2.__version__, "container": "Blosc2 contiguous frame (cframe) "
+                 "per row: the row's [seq_len, n_captures, hidden_size] states, C order, storage dtype",
+                 "codec": self.codec, "level": self.level, "filter": FILTER, "block_bytes": BLOCK_BYTES,
+                 "chunk_bytes": CHUNK_BYTES}
+        if not self.lossy:
+            return about
+        return about | {
+            "precision": self.precision, "lossy": True,
+            "container": "Blosc2 contiguous frame (cframe) per row: the row's [seq_len, n_captures, hidden_size] "
+                         "float8 e4m3 codes (torch.float8_e4m3fn's bytes), C order; its metalayer "
+                         f"{FP8_META!r} names the precision and the dtype read back",
+            "scales": f"the frame's vlmeta {FP8_SCALES!r}: float32 [seq_len, n_captures], little-endian, each "
+                      "token's largest magnitude in that capture / 448; a value reads back as its code times "
+                      "its scale in float32, rounded to the dataset's dtype",
+            "error_bound": {"relative": fp8.RELATIVE_ERROR, "absolute_of_token_max": fp8.ABSOLUTE_ERROR,
+                            "holds": "|read - captured| <= relative * |captured| + absolute_of_token_max * the "
+                                     "largest |captured| of the value's token in its capture (at least 448 * "
+                                     "2^-100)"},
+        }
 
     def same_frames(self, other: Compression | None) -> bool:
         """Whether `other`'s frames are byte for byte what this one would write."""
-        return other is not None and (self.codec, self.level) == (other.codec, other.level)
+        return other is not None and (self.codec, self.level, self.precision) == (other.codec, other.level,
+                                                                                  other.precision)
 
     def encode(self, states: np.ndarray) -> bytes:
-        """One row's states (C-contiguous, their storage dtype) as a Blosc2 frame: its chunks compressed
-        with Python's lock released (pack's threads compress side by side), then framed (`to_cframe`
-        holds the lock while it copies the frame together: ~5 ms a 16 MB sample)."""
-        blosc2 = _blosc2()
+        """One row's states (C-contiguous, their storage dtype) as a Blosc2 frame, their values or (fp8)
+        their e4m3 codes and scales: its chunks compressed with Python's lock released (pack's threads
+        compress side by side), then framed (`to_cframe` holds the lock while it copies the frame
+        together: ~5 ms a 16 MB sample)."""
         if not self.enabled:
             raise ValueError("encode: codec none stores raw values, no frame")
         if not states.flags.c_contiguous:
             raise ValueError("encode: expected C-contiguous states")
+        if not self.lossy:
+            return self._framed(states)
+        codes, scales = fp8.quantize(states)
+        about = {"precision": self.precision, "dtype": fp8.VALUE_DTYPES[states.itemsize]}
+        return self._framed(codes, {FP8_META: about}, {FP8_SCALES: scales.astype("<f4").tobytes()})
+
+    def _framed(self, values: np.ndarray, meta: dict | None = None, vlmeta: dict | None = None) -> bytes:
+        """C-contiguous values as a frame, byte-shuffled by their size; `meta`: its fixed metalayers,
+        `vlmeta`: its variable-length metadata."""
+        blosc2 = _blosc2()
         cparams = blosc2.CParams(
             codec=blosc2.Codec.ZSTD if self.codec == "zstd" else blosc2.Codec.LZ4, clevel=self.level,
-            typesize=states.itemsize, nthreads=self.threads, blocksize=BLOCK_BYTES,
+            typesize=values.itemsize, nthreads=self.threads, blocksize=BLOCK_BYTES,
             filters=[blosc2.Filter.NOFILTER] * 5 + [blosc2.Filter.SHUFFLE],
         )
-        flat = states.reshape(-1).view(np.uint8)
-        framed = blosc2.SChunk(chunksize=max(min(flat.nbytes, CHUNK_BYTES), states.itemsize), cparams=cparams)
+        flat = values.reshape(-1).view(np.uint8)
+        framed = blosc2.SChunk(chunksize=max(min(flat.nbytes, CHUNK_BYTES), values.itemsize), cparams=cparams,
+                               **({"meta": meta} if meta else {}))
         for start in range(0, max(flat.nbytes, 1), CHUNK_BYTES):
             framed.append_chunk(blosc2.compress2(flat[start : start + CHUNK_BYTES], cparams=cparams))
+        for name, content in (vlmeta or {}).items():
+            framed.vlmeta[name] = content
         return framed.to_cframe()
 
 
@@ -116,14 +173,22 @@ def frame_checksum(frame) -> str:
     return f"{isal_zlib.crc32(frame):08x}"
 
 
-def frame_bytes(frame) -> int:
-    """The uncompressed bytes a frame holds, from its header alone (~20 µs); -1 if it is not a frame."""
+def frame_tokens(frame, token_values: int) -> int:
+    """The tokens a frame holds (its values, or fp8 codes, over `token_values`: n_captures x hidden_size),
+    from its header alone (~20 µs): -1 if it is not a frame or holds no whole tokens."""
     import blosc2
 
     try:
-        return int(blosc2.schunk_from_cframe(frame, copy=False).nbytes)
+        chunked = blosc2.schunk_from_cframe(frame, copy=False)
     except Exception:  # noqa: BLE001 (Blosc2 raises several kinds for bytes that are no frame)
         return -1
+    values, partial = divmod(int(chunked.nbytes), chunked.typesize)
+    return values // token_values if not partial and not values % token_values else -1
+
+
+def precision(frame) -> str:
+    """What a frame's values are (PRECISIONS): exact, or fp8_e4m3 as its metalayer says."""
+    return _precision(_schunk(frame))
 
 
 @functools.cache
@@ -143,12 +208,11 @@ def decode(frame, n_captures: int, hidden_size: int, dtype: np.dtype | None = No
            threads: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """A row's states `[L, n_captures, hidden_size]` from its frame (any bytes-like object: an Arrow
     buffer is read in place), in new memory of `dtype` (default: the storage dtype of the frame's value
-    size) or in `out` (C-contiguous, the frame's shape); `threads` Blosc2 threads (default: Blosc2's)."""
-    blosc2 = _blosc2()
-    try:
-        chunked = blosc2.schunk_from_cframe(frame, copy=False)
-    except Exception as exc:  # noqa: BLE001
-        raise FrameError(f"stored states are not a Blosc2 frame: {type(exc).__name__}: {exc}") from exc
+    size; an fp8 frame's: the dtype its metalayer names) or in `out` (C-contiguous, the frame's shape);
+    `threads` Blosc2 threads (default: Blosc2's)."""
+    chunked = _schunk(frame)
+    if _precision(chunked) != "exact":
+        return _decode_fp8(chunked, n_captures, hidden_size, dtype, threads, out)
     dtype = np.dtype(dtype) if dtype is not None else STORAGE_BY_SIZE.get(chunked.typesize, np.dtype(np.uint8))
     row = n_captures * hidden_size * dtype.itemsize
     if chunked.typesize != dtype.itemsize or chunked.nbytes % row:
@@ -159,7 +223,31 @@ def decode(frame, n_captures: int, hidden_size: int, dtype: np.dtype | None = No
         out = np.empty(shape, dtype=dtype)
     elif out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
         raise FrameError(f"a frame of {list(shape)} {dtype} where {list(out.shape)} {out.dtype} was expected")
-    flat, start = out.reshape(-1).view(np.uint8), 0
+    _decompress(chunked, out.reshape(-1).view(np.uint8), threads)
+    return out
+
+
+def _schunk(frame):
+    try:
+        return _blosc2().schunk_from_cframe(frame, copy=False)
+    except Exception as exc:  # noqa: BLE001
+        raise FrameError(f"stored states are not a Blosc2 frame: {type(exc).__name__}: {exc}") from exc
+
+
+def _precision(chunked) -> str:
+    if FP8_META not in chunked.meta:
+        return "exact"
+    about = chunked.meta[FP8_META]
+    found = about.get("precision") if isinstance(about, dict) else None
+    if found not in PRECISIONS[1:] or about.get("dtype") not in fp8.VALUE_DTYPES.values():
+        raise FrameError(f"a frame whose metalayer {FP8_META!r} is {about!r}: not {PRECISIONS[1:]} codes of "
+                         f"{tuple(fp8.VALUE_DTYPES.values())}")
+    return found
+
+
+def _decompress(chunked, flat: np.ndarray, threads: int | None) -> None:
+    """A frame's chunks into `flat` (bytes, exactly the frame's size)."""
+    blosc2, start = _blosc2(), 0
     for n in range(chunked.nchunks):
         # Chunk by chunk with decompress2, which releases the GIL (the frame's own readers hold it): a
         # trainer's reader threads decode rows side by side. One thread a block at most: a context with
@@ -174,6 +262,32 @@ def decode(frame, n_captures: int, hidden_size: int, dtype: np.dtype | None = No
         start += nbytes
     if start != chunked.nbytes:
         raise FrameError(f"a frame's chunks hold {start} bytes, its header says {chunked.nbytes}")
+
+
+def _decode_fp8(chunked, n_captures: int, hidden_size: int, dtype: np.dtype | None, threads: int | None,
+                out: np.ndarray | None) -> np.ndarray:
+    """An fp8 frame's codes and scales read back as values (storage/fp8.py)."""
+    size = {name: size for size, name in fp8.VALUE_DTYPES.items()}[chunked.meta[FP8_META]["dtype"]]
+    dtype = np.dtype(dtype) if dtype is not None else STORAGE_BY_SIZE[size]
+    row = n_captures * hidden_size
+    if chunked.typesize != 1 or chunked.nbytes % row or dtype.itemsize not in fp8.VALUE_DTYPES:
+        raise FrameError(f"an fp8 frame of {chunked.nbytes} bytes of {chunked.typesize}-byte codes is no "
+                         f"[L, {n_captures}, {hidden_size}] {dtype}")
+    codes = np.empty((chunked.nbytes // row, n_captures, hidden_size), np.uint8)
+    _decompress(chunked, codes.reshape(-1), threads)
+    try:
+        scales = np.frombuffer(chunked.vlmeta[FP8_SCALES], "<f4")
+    except Exception as exc:  # noqa: BLE001 (a damaged trailer fails in Blosc2's and msgpack's ways)
+        raise FrameError(f"an fp8 frame without its {FP8_SCALES!r}: {type(exc).__name__}: {exc}") from exc
+    if scales.size != codes.shape[0] * n_captures:
+        raise FrameError(f"an fp8 frame of {codes.shape[0]} tokens with {scales.size} scales, not "
+                         f"{codes.shape[0] * n_captures}")
+    values = fp8.dequantize(codes, scales.reshape(codes.shape[:2]), dtype)
+    if out is None:
+        return values
+    if out.shape != values.shape or out.dtype != dtype or not out.flags.c_contiguous:
+        raise FrameError(f"a frame of {list(values.shape)} {dtype} where {list(out.shape)} {out.dtype} was expected")
+    np.copyto(out, values)
     return out
 
 
