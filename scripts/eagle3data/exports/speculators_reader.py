@@ -18,7 +18,7 @@ a files export's files against their own CRC32s, and either's small files agains
 
 speculators has no plugin entry point, so the backend must be registered before its CLI resolves the
 arguments: `python -m eagle3data.exports.speculators_reader <speculators train flags> --hidden-states-backend
-eagle3data` does that and runs the trainer (`eagle3data.bench.speculators_cpu` imports it too).
+eagle3data` does that and runs the trainer (`eagle3bench.speculators_cpu` imports it too).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What the benchmark runs measured, read back to plan a user's run: the measurement index
-(docs/measurements/index.csv, written by `python -m eagle3data.bench.table`), each figure's current
+(docs/measurements/index.csv, written by `python -m eagle3bench.table`), each figure's current
 series, the measured run that supports a time estimate for a model, and the stored ratio of real states.
 Preflight reads it for its disk and time lines; the benchmark's tables read it for the documentation.
 """
