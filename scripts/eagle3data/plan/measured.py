@@ -83,13 +83,13 @@ def model_of(data: dict) -> dict | None:
 
 @dataclass(frozen=True)
 class RunRate:
-    """One benchmark run of the whole pipeline (figure 7's run), in absolute terms."""
+    """One benchmark run of the whole pipeline, in absolute terms."""
 
     hardware: str
     file: str
     model: dict
     tokens: int
-    extract_tps: float  # figure 1's extract stage on the same machine, same run
+    extract_tps: float  # the extract stage measured alone, same machine, same run
     steady_tps: float  # the engine ready to the last extract job's end
     dataset_tps: float  # the engine ready to the packed dataset
     whole_seconds: float  # the command to its end
@@ -145,6 +145,6 @@ def measured_rate(device: str, model: dict, tensor_parallel: int, codec: str = "
 
 
 def stored_ratio(cur: dict[tuple[str, str], list[Row]] | None = None) -> float:
-    """The packed dataset's bytes / raw bytes of real states with zstd: figure 6's worst (largest) current
-    run on the CPU, where the storage benchmark runs; `cur` (from current()) or else the index on disk."""
+    """The packed dataset's bytes / raw bytes of real states with zstd: the storage benchmark's worst
+    (largest) current run, on the CPU where it runs; `cur` (from current()) or else the index on disk."""
     return max(r.value for r in (cur or current(read_index()))[(CPU, "6")])
