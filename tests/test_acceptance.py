@@ -3,7 +3,7 @@ pipeline's data for the real target (SmolLM2-135M-Instruct), served by vLLM as t
 speculator, is accepted clearly more often than the same draft trained on the same states shifted by
 one token, and speculation changes the target's greedy outputs only where its two best tokens are
 nearly tied (vLLM-CPU's bf16 verification steps round differently from its decode steps:
-eagle3data.bench.acceptance_ties).
+eagle3bench.acceptance_ties).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 def test_aligned_data_beats_the_shifted_control_in_served_acceptance(smollm2, tmp_path):
     out = tmp_path / "acceptance.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle3data.bench.acceptance", "--quick", "--arms", "a,d", "--model", str(smollm2),
+        [sys.executable, "-m", "eagle3bench.acceptance", "--quick", "--arms", "a,d", "--model", str(smollm2),
          "--work", str(tmp_path / "work"), "--out", str(out)],
         capture_output=True, text=True,
         # One torch thread for the trainer (and this command's own torch work; the pipeline's jobs get their
@@ -54,14 +54,14 @@ def beyond_first_per_draft(arm: dict) -> float:
 
 def test_the_cpu_stand_in_for_specforges_triton_loss_is_its_reference():
     """Arm (e) trains with SpecForge on CPU, where its Triton KL loss cannot run: the stand-in
-    (eagle3data.bench.specforge_train) gives the values and gradients of the kernel's own reference,
+    (eagle3bench.specforge_train) gives the values and gradients of the kernel's own reference,
     `specforge.core.loss._compute_loss` without its torch.compile."""
     import inspect
 
     import torch
     from specforge.core import loss
 
-    from eagle3data.bench.specforge_train import EagerLogSoftmaxLoss
+    from eagle3bench.specforge_train import EagerLogSoftmaxLoss
 
     reference = inspect.unwrap(loss._compute_loss)
     assert reference is not loss._compute_loss  # the compiled wrapper's own function
@@ -76,7 +76,7 @@ def test_the_cpu_stand_in_for_specforges_triton_loss_is_its_reference():
 
 def test_the_cpu_stand_in_for_muons_bf16_newton_schulz_step_is_its_arithmetic():
     """On a CPU without bf16 instructions speculators' default optimizer trains through
-    eagle3data.bench.muon_cpu: the same bf16 roundings as torch's own step, the products in float32. It is
+    eagle3bench.muon_cpu: the same bf16 roundings as torch's own step, the products in float32. It is
     compared with the kernel it stands in for, torch's generic bf16 one (oneDNN off): what an AVX2-only CPU
     runs, and the same code on every CPU, so the verdict does not depend on the machine (on one with AMX or
     AVX512-BF16, torch's own step uses oneDNN's kernel, which sums in another order: the test below). Its
@@ -87,7 +87,7 @@ def test_the_cpu_stand_in_for_muons_bf16_newton_schulz_step_is_its_arithmetic():
     import torch
     from torch.optim import _muon
 
-    from eagle3data.bench.muon_cpu import newton_schulz_bf16_via_float32
+    from eagle3bench.muon_cpu import newton_schulz_bf16_via_float32
 
     coefficients = (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C)
     with torch.backends.mkldnn.flags(enabled=False):
@@ -112,7 +112,7 @@ def test_a_newton_schulz_step_of_the_stand_in_is_within_rounding_of_this_cpus_bf
     import torch
     from torch.optim import _muon
 
-    from eagle3data.bench.muon_cpu import newton_schulz_bf16_via_float32
+    from eagle3bench.muon_cpu import newton_schulz_bf16_via_float32
 
     a, b, c = coefficients = (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C)
     for shape in ((96, 64), (64, 96), (576, 1536)):

@@ -19,7 +19,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from eagle3data.bench.figures import NAMES
+from eagle3bench.figures import NAMES
 
 pytestmark = pytest.mark.slow
 ASKED = {f: name for f, name in NAMES.items() if f not in ("1", "6", "6f", "6e", "12", "12v", "9", "2", "3", "3m", "13")}
@@ -29,7 +29,7 @@ def test_quick_benchmark_prints_and_writes_every_figure(tmp_path):
     out = tmp_path / "bench.json"
     work = os.path.relpath(tmp_path / "work", REPO)  # relative, as the default is: the Snakemake runs chdir
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle3data.bench", "--quick", "--figures", ",".join(ASKED), "--work", work,
+        [sys.executable, "-m", "eagle3bench", "--quick", "--figures", ",".join(ASKED), "--work", work,
          "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=1800,
     )

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import stored_tensors, with_defaults
 
-from eagle3data.bench.crosscheck import load_reference_model, reference_states
+from eagle3bench.crosscheck import load_reference_model, reference_states
 from eagle3data.contracts.layers import parse_captures
 from eagle3data.storage.store import sample_path
 

@@ -29,7 +29,7 @@ from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file
 
 from eagle3data import decode_states, open_dataset, read_metadata
-from eagle3data.bench.io import write_shards
+from eagle3bench.io import write_shards
 from eagle3data.contracts.measuring import facts_header, load_stored
 from eagle3data.contracts.reading import load_states
 from eagle3data.contracts.failures import BoundaryError

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3data.bench import table
+from eagle3bench import table
 from eagle3data.config import reference
 from eagle3data.inputs.conversations import normalize
 
@@ -112,7 +112,7 @@ def test_configuration_reference_is_generated_and_current():
 
 
 def test_benchmark_tables_are_generated_and_current():
-    assert table.stale() == [], "run python -m eagle3data.bench.table"
+    assert table.stale() == [], "run python -m eagle3bench.table"
 
 
 def test_every_measurement_file_is_indexed():
@@ -163,16 +163,16 @@ def _command(walk: str, module: str) -> list[str]:
 
 
 def test_the_walk_to_a_served_draft_uses_the_acceptance_benchmarks_commands():
-    """docs/training.md's walk runs what `eagle3data.bench.acceptance` runs (tests/test_acceptance.py runs
+    """docs/training.md's walk runs what `eagle3bench.acceptance` runs (tests/test_acceptance.py runs
     that): its training flags are the quick recipe's, its speculative config acceptance_serve's, and the
     modules it names are the ones the benchmark starts."""
     import inspect
 
-    from eagle3data.bench import acceptance, acceptance_data, acceptance_serve, acceptance_train
+    from eagle3bench import acceptance, acceptance_data, acceptance_serve, acceptance_train
 
     walk = _walk()
     recipe = acceptance_train.SIZES["quick"].recipe
-    train = _command(walk, "eagle3data.bench.speculators_cpu")
+    train = _command(walk, "eagle3bench.speculators_cpu")
     flags = recipe.flags()
     for i in range(0, len(flags)):  # every flag of the recipe, with the values that follow it
         if flags[i].startswith("--"):
@@ -184,7 +184,7 @@ def test_the_walk_to_a_served_draft_uses_the_acceptance_benchmarks_commands():
             at = train.index(flags[i])
             assert [float(x) if re.fullmatch(r"[\d.e-]+", x) else x for x in train[at + 1:at + 1 + len(values)]] == \
                 [float(x) if re.fullmatch(r"[\d.e-]+", x) else x for x in values], flags[i]
-    assert "eagle3data.bench.speculators_cpu" in inspect.getsource(acceptance_train.train)
+    assert "eagle3bench.speculators_cpu" in inspect.getsource(acceptance_train.train)
     assert " ".join(map(str, acceptance_data.LAYER_IDS)) in " ".join(train)
     assert f"draft_vocab_size: {recipe.draft_vocab}" in walk
     config = acceptance_data.pipeline_config("x", Path("c.jsonl"), Path("m"), recipe.draft_vocab)
@@ -192,8 +192,8 @@ def test_the_walk_to_a_served_draft_uses_the_acceptance_benchmarks_commands():
         {"enabled": True, "states": "files"}
     assert f'"num_speculative_tokens": {acceptance_serve.SPECULATIVE_TOKENS}' in walk
     assert '"method": "eagle3"' in walk and '"method": "eagle3"' in inspect.getsource(acceptance_serve.serve)
-    serve = _command(walk, "eagle3data.bench.acceptance_serve")
-    assert "eagle3data.bench.acceptance_serve" in inspect.getsource(acceptance.serve)
+    serve = _command(walk, "eagle3bench.acceptance_serve")
+    assert "eagle3bench.acceptance_serve" in inspect.getsource(acceptance.serve)
     for flag in ("--model", "--prompts", "--draft", "--max-tokens", "--out"):
         assert flag in serve and flag in inspect.getsource(acceptance_serve.main), flag
     assert f"--max-tokens {acceptance_train.SIZES['quick'].max_tokens}" in " ".join(serve)
@@ -228,7 +228,7 @@ def prose(text: str) -> str:
 @pytest.mark.parametrize("page", USER_PAGES)
 def test_user_pages_quote_measurements_only_as_generated(page):
     """Every number a user page quotes from a measurement is generated from it (between the quote markers,
-    kept current by bench.table, the test above), and no user page speaks in figure numbers."""
+    kept current by eagle3bench.table, the test above), and no user page speaks in figure numbers."""
     text = prose((REPO / page).read_text())
     allowed = set().union(*NOT_MEASUREMENTS.values())
     stray = sorted(set(DECIMAL.findall(text)) - allowed)

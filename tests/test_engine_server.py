@@ -14,7 +14,7 @@ from eagle3data.contracts.layers import eagle3_captures, parse_captures
 from eagle3data.model.info import read_model_info
 from eagle3data.config.settings import engine_config
 from eagle3data.storage.store import sample_path
-from eagle3data.bench.synthetic import random_prompts
+from eagle3bench.synthetic import random_prompts
 
 
 def batches(store: Path, sizes: list[int], seed: int) -> list[tuple[list[list[int]], list[str]]]:

@@ -19,7 +19,7 @@ from eagle3data.contracts.layers import parse_captures
 from eagle3data.capture.pinned import PinnedBuffers
 from eagle3data.contracts.states import Expected
 from eagle3data.storage.store import atomic_path, sample_path
-from eagle3data.bench.synthetic import random_prompts
+from eagle3bench.synthetic import random_prompts
 from eagle3data.capture.watcher import StatesWatcher
 from eagle3data.utils import faults
 

@@ -347,7 +347,7 @@ def unscaled_deepseek(tiny_deepseek, tmp_path_factory):
 def test_yarn_deepseek_through_extract_agrees_with_transformers(tiny_deepseek, tmp_path):
     work = tmp_path / "work"
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle3data.bench.crosscheck", "--model", str(tiny_deepseek), "--captures",
+        [sys.executable, "-m", "eagle3bench.crosscheck", "--model", str(tiny_deepseek), "--captures",
          "2:input,4:input,5:input,7:output", "--dtype", "float32", "--device", "cpu", "--samples", "4",
          "--tokens", "200", "--engine", "cpu_kv_cache_gib=1",  # no attention backend: chosen for fp32
          "max_num_batched_tokens=1024", "--tolerance", "1e-4", "--work", str(work)],
@@ -378,7 +378,7 @@ UNGUARDED_RUNNER = textwrap.dedent(
     import json, sys, time
     from pathlib import Path
     from eagle3data.engine import start as engine
-    from eagle3data.bench import crosscheck
+    from eagle3bench import crosscheck
     from eagle3data.contracts.layers import parse_captures
     from eagle3data.config.settings import engine_config
 
@@ -487,7 +487,7 @@ def test_kimi_sample_size_and_whole_input_estimate():
 
 def test_extract_refuses_to_start_when_the_disk_lacks_room(tiny_deepseek, tmp_path):
     from eagle3data.capture.extract import ExtractJob, run
-    from eagle3data.bench.synthetic import random_prompts, write_token_shard
+    from eagle3bench.synthetic import random_prompts, write_token_shard
     from eagle3data.storage.store import Store
 
     write_token_shard(str(tmp_path / "shard.parquet"), random_prompts(3, 50, 500))

@@ -1,5 +1,6 @@
-"""The library's rooms: every subpackage says what it is for, imports go one way only, and the module
-names that earlier datasets hold as text still run."""
+"""The library's rooms: every subpackage says what it is for, imports go one way only (the benchmarks
+beside the library import it, never the reverse), and the module names that earlier datasets hold as
+text still run."""
 
 from __future__ import annotations
 
@@ -8,34 +9,46 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "scripts" / "eagle3data"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+PACKAGE = SCRIPTS / "eagle3data"
+BENCH = "eagle3bench"  # the benchmarks, a package beside the library
+PACKAGES = (PACKAGE.name, BENCH)
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    parts = path.relative_to(SCRIPTS).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def ours(module: str) -> bool:
+    return module.split(".")[0] in PACKAGES
+
+
 def imports() -> dict[str, set[str]]:
-    """Each module's imports of the library, as module names (a name imported from a package counts as
-    the submodule where there is one)."""
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    """Each module's imports of the library and the benchmarks, as module names (a name imported from a
+    package counts as the submodule where there is one). Build directories beside the sources are not
+    modules."""
+    modules = {module_name(p): p for name in PACKAGES for p in (SCRIPTS / name).rglob("*.py")
+               if "build" not in p.relative_to(SCRIPTS).parts}
     found = {}
     for name, path in modules.items():
         targets = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eagle3data"):
+            if isinstance(node, ast.ImportFrom) and node.module and ours(node.module):
                 for alias in node.names:
                     full = f"{node.module}.{alias.name}"
                     targets.add(full if full in modules else node.module)
             elif isinstance(node, ast.Import):
-                targets |= {a.name for a in node.names if a.name.startswith("eagle3data")}
+                targets |= {a.name for a in node.names if ours(a.name)}
         found[name] = targets
     return found
 
 
 def room(module: str) -> str:
+    """A subpackage of the library; the benchmarks are one room."""
     parts = module.split(".")
+    if parts[0] == BENCH:
+        return BENCH
     return parts[1] if len(parts) > 1 else ""
 
 
@@ -43,6 +56,14 @@ def test_every_subpackage_says_what_it_is_for():
     for init in PACKAGE.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc) > 40, f"{init.parent.name}/__init__.py: expected a docstring saying what the room is for"
+
+
+def test_the_library_never_imports_the_benchmarks():
+    """The installed package ships without the benchmarks, so no module of it may need them."""
+    found = {module: sorted(t for t in targets if t.split(".")[0] == BENCH)
+             for module, targets in imports().items() if module.split(".")[0] == PACKAGE.name}
+    found = {module: targets for module, targets in found.items() if targets}
+    assert not found, f"the library imports the benchmarks: {found}"
 
 
 def test_no_import_circle_between_modules_or_rooms():

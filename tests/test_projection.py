@@ -1,4 +1,4 @@
-"""The node projection (`eagle3data.bench.projection`): its numbers follow from its stated inputs, and
+"""The node projection (`eagle3bench.projection`): its numbers follow from its stated inputs, and
 the terms that should lower the GPU-busy share do, naming themselves as the bound. No engine; seconds."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from eagle3data.bench.projection import main
+from eagle3bench.projection import main
 
 H200_RUN = REPO / "docs/measurements/2026-12-01-h200-figure1-default.json"
 
@@ -112,7 +112,7 @@ def test_goal_is_met_when_nothing_but_compute_is_left(capsys):
 
 
 def test_command_prints_stages_and_json():
-    run = [sys.executable, "-m", "eagle3data.bench.projection"]
+    run = [sys.executable, "-m", "eagle3bench.projection"]
     text = subprocess.run(run, cwd=REPO, capture_output=True, text=True, check=True).stdout
     for stage in ("tokenize", "engine start", "extract", "validate", "pack", "exports"):
         assert any(line.startswith(stage) for line in text.splitlines()), stage

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from eagle3data import open_dataset
 from eagle3data.contracts.layers import eagle3_captures
-from eagle3data.bench.crosscheck import load_reference_model, reference_states
+from eagle3bench.crosscheck import load_reference_model, reference_states
 from eagle3data.model.gguf import GgufSourceError, locate_gguf
 from eagle3data.contracts.layers import parse_captures
 from eagle3data.contracts.reading import load_states

@@ -35,7 +35,7 @@ RUNNER = textwrap.dedent(
     import json, sys, time
     from pathlib import Path
     from eagle3data.engine import start as engine
-    from eagle3data.bench.synthetic import random_prompts
+    from eagle3bench.synthetic import random_prompts
     from eagle3data.contracts.layers import parse_captures
     from eagle3data.config.settings import engine_config
 

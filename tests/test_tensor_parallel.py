@@ -22,7 +22,7 @@ import torch
 from test_capture import DEMO_CAPTURES, RUNNER, extract, write_shard
 from conftest import with_defaults
 
-from eagle3data.bench.crosscheck import load_reference_model, reference_states
+from eagle3bench.crosscheck import load_reference_model, reference_states
 from eagle3data.contracts.layers import parse_captures
 from eagle3data.engine.cpu_threads import thread_binding
 

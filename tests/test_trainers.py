@@ -1,6 +1,6 @@
 """The packed demo dataset feeds real EAGLE-3 trainers: speculators 0.9 trains on its export (on CPU, via
-eagle3data.bench.speculators_cpu), SpecForge 0.2 trains on its export (on CPU, via
-eagle3data.bench.specforge_train), SpecForge's offline reader reads its export tensor for tensor as the packed
+eagle3bench.speculators_cpu), SpecForge 0.2 trains on its export (on CPU, via
+eagle3bench.specforge_train), SpecForge's offline reader reads its export tensor for tensor as the packed
 dataset holds them, and both libraries accept the pipeline's draft vocabulary.
 
 The trainers are test-only dependencies (envs/setup.sh installs them with --no-deps, keeping this torch).
@@ -24,8 +24,8 @@ from conftest import demo_config, run_snakemake
 from safetensors.torch import load_file
 
 from eagle3data import open_dataset
-from eagle3data.bench import muon_cpu
-from eagle3data.bench.stages import footprint
+from eagle3bench import muon_cpu
+from eagle3bench.stages import footprint
 from eagle3data.storage.store import sample_path
 from eagle3data.exports.trainers import SPECULATORS, ExportRefused, layout
 
@@ -141,7 +141,7 @@ def test_speculators_trains_on_its_export_on_cpu(files_exported, tmp_path):
     data = run / RUN / "export" / "speculators"
     metrics = tmp_path / "metrics.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle3data.bench.speculators_cpu", str(metrics),
+        [sys.executable, "-m", "eagle3bench.speculators_cpu", str(metrics),
          "--verifier-name-or-path", str(run / MODEL), "--data-path", str(data), "--speculator-type", "eagle3",
          "--target-layer-ids", "2", "4", "5", "--draft-vocab-size", "256", "--total-seq-len", "512",
          "--num-workers", "0", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
@@ -164,12 +164,12 @@ def test_speculators_trains_on_its_export_on_cpu(files_exported, tmp_path):
 
 @pytest.mark.slow
 def test_specforge_trains_on_its_export_on_cpu(exported, tmp_path):
-    """SpecForge 0.2's own trainer, on CPU through eagle3data.bench.specforge_train (DDP, its loss in eager
+    """SpecForge 0.2's own trainer, on CPU through eagle3bench.specforge_train (DDP, its loss in eager
     torch), trains a draft from the export with validation loss falling, and `specforge export --to sglang`
     writes the draft vLLM loads as `eagle3`: the export's draft vocabulary and mapping, its aux layers in
     vLLM's numbering."""
-    from eagle3data.bench.acceptance_specforge import train_specforge
-    from eagle3data.bench.acceptance_train import Recipe
+    from eagle3bench.acceptance_specforge import train_specforge
+    from eagle3bench.acceptance_train import Recipe
 
     run, _ = exported
     export = run / RUN / "export" / "specforge"
@@ -211,7 +211,7 @@ def test_the_reader_export_holds_no_states_and_speculators_reads_the_packed_ones
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), i
     metrics = tmp_path / "metrics.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle3data.bench.speculators_cpu", str(metrics),
+        [sys.executable, "-m", "eagle3bench.speculators_cpu", str(metrics),
          "--verifier-name-or-path", str(run / MODEL), "--data-path", str(reader), "--speculator-type", "eagle3",
          "--hidden-states-backend", "eagle3data", "--target-layer-ids", "2", "4", "5", "--draft-vocab-size", "256",
          "--total-seq-len", "512", "--num-workers", "0", "--draft-attn-impl", "sdpa", "--loss-implementation",

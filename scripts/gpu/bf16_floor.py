@@ -11,9 +11,9 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from eagle3data.bench.crosscheck import compare, reference_states
+from eagle3bench.crosscheck import compare, reference_states
 from eagle3data.contracts.layers import parse_captures
-from eagle3data.bench.synthetic import random_prompts
+from eagle3bench.synthetic import random_prompts
 
 CAPTURES = [{"layer": 2, "point": "input"}, {"layer": 4, "point": "input"}, {"layer": 6, "point": "input"},
             {"layer": 7, "point": "output"}]  # as scripts/gpu/run.sh's crosschecks

@@ -44,7 +44,7 @@ case "$what" in
     ;;
   bench)
     step bench llama-8b
-    timeout 540 python3 -m eagle3data.bench.extract --shape llama-8b --model /tmp/llama-8b \
+    timeout 540 python3 -m eagle3bench.extract --shape llama-8b --model /tmp/llama-8b \
       --captures 2:input,16:input,29:input,31:output --prompts 2048 --tokens 512 \
       --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 ${BENCH_ENGINE:-} \
       --work /tmp/bench --out "$OUT/bench-llama8b.json" > /tmp/bench.log 2>&1
@@ -55,7 +55,7 @@ case "$what" in
     python3 -m eagle3data.model.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     for mode in ${BI_MODES:-1 0}; do
       step "figure 1, VLLM_BATCH_INVARIANT=$mode"
-      VLLM_BATCH_INVARIANT=$mode timeout 570 python3 -m eagle3data.bench.extract --model /tmp/llama-8b \
+      VLLM_BATCH_INVARIANT=$mode timeout 570 python3 -m eagle3bench.extract --model /tmp/llama-8b \
         --captures 2:input,16:input,29:input,31:output --prompts 2048 --tokens 512 \
         --engine load_format=dummy max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512 \
         --work /tmp/bench-bi --out "$OUT/bench-llama8b-bi$mode.json" > "/tmp/bench-bi$mode.log" 2>&1
@@ -68,7 +68,7 @@ case "$what" in
     for mode in 0 1; do
       for batch in 256 24; do
         step "extract 256 prompts in batches of $batch, VLLM_BATCH_INVARIANT=$mode"
-        VLLM_BATCH_INVARIANT=$mode timeout 200 python3 -m eagle3data.bench.extract --phase extract \
+        VLLM_BATCH_INVARIANT=$mode timeout 200 python3 -m eagle3bench.extract --phase extract \
           --model /tmp/llama-8b --captures 2:input,16:input,29:input,31:output --prompts 256 --tokens 512 \
           --engine load_format=dummy max_num_batched_tokens=16384 "max_num_seqs=$batch" "batch_samples=$batch" \
           --work "/tmp/batches-$mode-$batch" > "/tmp/batches-$mode-$batch.log" 2>&1
@@ -83,7 +83,7 @@ case "$what" in
     python3 -m eagle3data.model.shapes llama-8b /tmp/llama-8b --tokenizer-from resources/demo-tokenizer
     python3 scripts/gpu/make_conversations.py data/demo/conversations.jsonl /tmp/regen-conversations.jsonl 1024
     step "regenerate 1024 conversations, 256 new tokens"
-    VLLM_WORKER_MULTIPROC_METHOD=spawn timeout 430 python3 -m eagle3data.bench.regenerate --model /tmp/llama-8b \
+    VLLM_WORKER_MULTIPROC_METHOD=spawn timeout 430 python3 -m eagle3bench.regenerate --model /tmp/llama-8b \
       --device cuda --conversations /tmp/regen-conversations.jsonl --max-seq-len 2048 --max-new-tokens 256 \
       --runs 3 --engine load_format=dummy max_num_seqs=256 max_num_batched_tokens=16384 \
       --out "$OUT/regenerate-llama8b.json" > /tmp/regen.log 2>&1
@@ -93,14 +93,14 @@ case "$what" in
                  # states of realistic entropy for figures 1 and 7 (SHAPE: llama-8b, or smollm2-135m)
     step "write a random ${SHAPE:-llama-8b} checkpoint"
     python3 -m eagle3data.model.shapes "${SHAPE:-llama-8b}" "/tmp/${SHAPE:-llama-8b}-weights" --tokenizer-from resources/demo-tokenizer
-    timeout 240 python3 -m eagle3data.bench.load --write-checkpoint "${SHAPE:-llama-8b}" "/tmp/${SHAPE:-llama-8b}-weights"
+    timeout 240 python3 -m eagle3bench.load --write-checkpoint "${SHAPE:-llama-8b}" "/tmp/${SHAPE:-llama-8b}-weights"
     du -sh "/tmp/${SHAPE:-llama-8b}-weights"; df -h /tmp | tail -1
     ;;
   load)  # figure 9 (after load-prepare): engine start (vLLM's default loader) - the dummy loader's start,
     # over the cold read of the weights; LOAD_RUNS runs (3)
     export VLLM_WORKER_MULTIPROC_METHOD=spawn
     step "figure 9, ${LOAD_RUNS:-3} runs"
-    timeout 580 python3 -m eagle3data.bench.load --model /tmp/llama-8b-weights --runs "${LOAD_RUNS:-3}" \
+    timeout 580 python3 -m eagle3bench.load --model /tmp/llama-8b-weights --runs "${LOAD_RUNS:-3}" \
       --json "$OUT/load-llama8b.json" > /tmp/load.log 2>&1
     echo "load bench: exit $?"; grep "^figure 9" /tmp/load.log; cp /tmp/load.log "$OUT/log-load.txt"
     ;;
@@ -122,7 +122,7 @@ case "$what" in
     cat /proc/sys/vm/dirty_ratio /proc/sys/vm/dirty_background_ratio > "$OUT/vmstat-figures.txt"
     (while :; do echo "$(date -u +%T) $(vmstat 1 2 | tail -1) $(grep -E '^(Dirty|Writeback):' /proc/meminfo | tr -s ' ' | tr '\n' ' ')"; done >> "$OUT/vmstat-figures.txt") &
     vmstat_pid=$!
-    timeout "${FIGURES_TIMEOUT:-570}" python3 -m eagle3data.bench --figures "${FIGURES:-1,7,7d,7w,7t}" --device cuda --model "$model" \
+    timeout "${FIGURES_TIMEOUT:-570}" python3 -m eagle3bench --figures "${FIGURES:-1,7,7d,7w,7t}" --device cuda --model "$model" \
       --captures "${CAPTURES:-2:input,16:input,29:input,31:output}" --prompts "${FIGURE1_PROMPTS:-2048}" --tokens 512 \
       --conversations 6144 --shards "${FIGURE7_SHARDS:-8}" --weights "$weights" \
       --jobs-per-engine "${JOBS_PER_ENGINE:-2}" --transport-dir "${TRANSPORT_DIR:-}" --codec "${CODEC:-zstd,none}" \
@@ -140,7 +140,7 @@ case "$what" in
     python3 scripts/gpu/make_conversations.py data/demo/conversations.jsonl results/gpu-conversations.jsonl 48
     python3 scripts/gpu/build_small_deepseek.py /tmp/ds-small resources/demo-tokenizer
     step crosscheck
-    timeout 200 python3 -m eagle3data.bench.crosscheck --model /tmp/ds-small --captures 2:input,4:input,6:input,7:output \
+    timeout 200 python3 -m eagle3bench.crosscheck --model /tmp/ds-small --captures 2:input,4:input,6:input,7:output \
       --dtype bfloat16 --device cuda --tolerance 5e-2 --work /tmp/cc > /tmp/cc.log 2>&1
     echo "crosscheck: exit $?"; grep '^{"model"' /tmp/cc.log > "$OUT/crosscheck-deepseek.json"; tail -n 2 /tmp/cc.log | cut -c1-600
     step workflow ds-small-tp1
@@ -155,7 +155,7 @@ case "$what" in
     ;;
   dense)  # the small DeepSeek-V3 with every layer dense (no expert routing) against transformers
     python3 scripts/gpu/build_small_deepseek.py /tmp/ds-dense resources/demo-tokenizer --dense
-    timeout 150 python3 -m eagle3data.bench.crosscheck --model /tmp/ds-dense --captures 2:input,4:input,6:input,7:output \
+    timeout 150 python3 -m eagle3bench.crosscheck --model /tmp/ds-dense --captures 2:input,4:input,6:input,7:output \
       --dtype bfloat16 --device cuda --tolerance 5e-2 --work /tmp/cc-dense > /tmp/cc-dense.log 2>&1
     echo "crosscheck dense: exit $?"; grep '^{"model"' /tmp/cc-dense.log > "$OUT/crosscheck-dense.json"
     grep '^{"model"' /tmp/cc-dense.log | cut -c1-400

@@ -28,7 +28,7 @@ case "$1" in
     export PYTHONPATH="/tmp/sfsite:$PWD/scripts" PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     python3 -c "import torch, transformers, specforge; print(torch.__version__, transformers.__version__)"
-    python3 -m eagle3data.bench.acceptance_specforge /tmp/sf/specforge --model /tmp/sf/slim --out /tmp/sfrun "${@:2}"
+    python3 -m eagle3bench.acceptance_specforge /tmp/sf/specforge --model /tmp/sf/slim --out /tmp/sfrun "${@:2}"
     cp -r /tmp/sfrun/draft /tmp/sfrun/trained.json /tmp/sfrun/train.log /tmp/sfrun/run.yaml \
       /tmp/sfrun/draft-config.json "${OUT:-/tmp/out}/" ;;
 esac

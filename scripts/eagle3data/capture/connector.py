@@ -11,8 +11,8 @@ crosses an RPC to the driver. We keep that design and change three things:
 - on GPU, the copies are queued once per engine step for all requests that finished in it (one slot
   upload and one gather per 4,096 tokens, then one device-to-host copy per request) into a fixed set of
   pinned host buffers (pinned.py). The stock connector's per-request work (freshly pinned memory, a
-  blocking upload of the slots, a gather) ran on the engine's own thread between forward passes: on the
-  H200, 0.35 ms a request, most of what extraction cost against bare prefill. The copies stay
+  blocking upload of the slots, a gather) ran on the engine's own thread between forward passes: measured,
+  0.35 ms a request, most of what extraction cost against bare prefill. The copies stay
   asynchronous on their own CUDA stream and the writes on vLLM's writer threads. They wait for the work
   queued before the step began (an event recorded in `start_load_kv`), not for the step's own forward
   pass: a save reaches the worker in a step after the one that wrote the request's last states (the
@@ -20,8 +20,8 @@ crosses an RPC to the driver. We keep that design and change three things:
   and the copy overlaps the step's compute instead of trailing it (at a run's end, one step sooner);
 - the files hold the states raw, whatever `storage.compression` says: pack compresses them, in a process
   of its own. Compressing here, in the engine's process, slowed extraction even when the writers kept up
-  (H100, an 8B model's states of real entropy: 0.78-0.82 of bare prefill against 0.84-0.92 raw, side by
-  side; docs/benchmarks.md, figure 1);
+  (measured side by side on an 8B model's states of real entropy: 0.78-0.82 of bare prefill against
+  0.84-0.92 raw);
 - each file's header carries the validation facts of its states (measuring.written_facts: norms and least
   bits measured on the GPU beside the copy, the CRCs and counts on the host copy it writes), so the
   validate stage need not read the states again;

@@ -112,7 +112,7 @@ def run(job: ExtractJob) -> dict:
     shard = check(TokenizedShard, pd.read_parquet(job.tokenized), f"tokenized shard {job.tokenized}")
     manifest, todo = reuse_or_clear(job, shard)
     check_disk(job, shard, todo)
-    # Before the engine: while a job prepares, the GPUs it holds wait (figure 7 on the H200).
+    # Before the engine: while a job prepares, the GPUs it holds wait, so its stats say for how long.
     prepare_seconds = time.perf_counter() - preparing
     failed: dict[str, str] = {}
     steps = dict.fromkeys(TIMED_STEPS, 0.0)
@@ -216,7 +216,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
 def engine_stats(engine: engine_pool.RemoteEngine, waited: float, ready_at: float, shards_served: int) -> dict:
     """What the report sums per node: which engine served the job, whether this job loaded it (and so
     waited for its load), and how many shards it had served; when (epoch seconds) the engine was ready
-    for this job, from which figure 7 times a run."""
+    for this job, from which a run is timed from its engine ready."""
     return {
         "engine_start_seconds": waited,
         "engine_ready_at": ready_at,

@@ -1,7 +1,7 @@
 """Host buffers for the states of one request each, allocated once when the engine starts and reused.
 
 vLLM's hidden-states connector allocates fresh page-locked memory for every finished request. Pinning
-is slow (on the H200, 128 fresh 16 MB buffers took 0.8 s) and it runs on the engine's own thread
+is slow (measured: 128 fresh 16 MB buffers took 0.8 s) and it runs on the engine's own thread
 between forward passes, so the GPU waits: the extract stage lost 2-5 % of prefill speed inside
 generate(). A fixed set of buffers of the longest request's size, taken per request and given back
 once its file is written, pins nothing while the engine runs and bounds the host memory in flight.

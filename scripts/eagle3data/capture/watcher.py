@@ -3,7 +3,7 @@ whole), on a thread of its own, while the engine computes the next samples.
 
 The extract job hands each batch's samples to the watcher and starts the next generate() at once: it
 waits for files and checks only once, for the shard's last few files, instead of after every batch.
-Nothing is fsynced here: on the H200, fsyncs file by file beside vLLM's writes fell behind them (0.74 s
+Nothing is fsynced here: fsyncs file by file beside vLLM's writes fell behind them (measured: 0.74 s
 left to wait for after 25 s of prefill); the extract job syncs the files in bulk instead (storage/store.py).
 """
 

@@ -206,7 +206,7 @@ def _time(settings: Settings, sizes: dict) -> list[str]:
         return [f"time       not estimated: nothing measured supports it for this model (hidden "
                 f"{shape.get('hidden_size')}, {shape.get('num_hidden_layers')} layers) at tensor parallel "
                 f"{engine['tensor_parallel_size']} on {device} (measured: docs/expectations.md; "
-                "python -m eagle3data.bench.projection models a node)"]
+                "python -m eagle3bench.projection models a node)"]
     seconds = sizes["tokens"] / rate.dataset_tps + rate.fixed_seconds
     return [f"time       about {_duration(seconds)} to the packed dataset: {sizes['tokens']:,.0f} tokens at "
             f"{rate.dataset_tps:,.0f} tok/s + {rate.fixed_seconds:,.0f} s of fixed costs, as measured for "

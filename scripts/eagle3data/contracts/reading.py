@@ -1,7 +1,7 @@
 """A states file's `hidden_states` read into numpy memory, and the CRC32s of its bytes, without torch.
 
 Pack reads every byte of every file it packs and compares each capture's CRC with the one validate
-recorded; a job that imports no torch starts seconds sooner (~5 s of imports on the H200's VM, several
+recorded; a job that imports no torch starts seconds sooner (~5 s of imports on a GPU node, several
 times that under the load of a run's tail). measuring.py reads and checksums through here too, viewing
 the same memory as torch tensors, so the bytes and CRCs that pack compares are the ones validate measured.
 """

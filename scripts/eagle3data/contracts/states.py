@@ -13,7 +13,7 @@ least bits on the GPU, the rest from the host copy it writes) and keeps them in 
 header, so validate need not read the states again (`header_facts`); pack, which reads every byte
 anyway, compares the checksums, so bytes changed after the write are still refused. A file without them
 (written by anything else) is measured. This module needs no torch (the tensor code is measuring.py): a
-validate job that judges headers only starts without it (~5 s of imports on the H200's VM).
+validate job that judges headers only starts without it (~5 s of imports on a GPU node).
 """
 
 from __future__ import annotations

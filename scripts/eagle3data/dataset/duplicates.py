@@ -4,7 +4,7 @@ Sample ids hash the conversation, so a conversation met again in a later shard h
 records duplicates within one shard itself). One job reads the id column of every tokenized shard and
 writes the ids that more than one shard holds, each with the first of them; every pack job reads that
 one table. A shard's pack job thus depends on one file, not on every shard before it: pairwise inputs
-made `snakemake -n` on 1,000 shards take 81 s (figure 5), and each pack job re-read all earlier tables.
+made `snakemake -n` on 1,000 shards take 81 s, and each pack job re-read all earlier tables.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ capture from their values (decoded, each capture gathered), which costs readers 
 format 1 or 2 has no checksums: it loads, and says verification is "not available".
 
 torch is imported where tensors are made, not with the module: the pack_shard and index jobs, which
-write and check the dataset's files with numpy and Arrow, then start without it (~5 s of imports on the
-H200's VM).
+write and check the dataset's files with numpy and Arrow, then start without it (~5 s of imports on a
+GPU node).
 """
 
 from __future__ import annotations

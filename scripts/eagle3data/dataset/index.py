@@ -5,8 +5,8 @@ the filesystem cannot link), the counts reconciled (conversations in = packed + 
 samples and duplicates included; a conversation that tokenize split into several samples adds each
 sample after its first), `load_from_disk`'s state and info files and the card written, the whole checked
 as `check_dataset` sees it, then renamed into place: a crash never leaves a dataset that looks complete.
-It handles no tensor, and imports no torch: this job is the last of a run, and on the H200's VM torch
-alone takes ~5 s to import.
+It handles no tensor, and imports no torch: this job is the last of a run, and on a GPU node torch
+alone took ~5 s to import.
 """
 
 from __future__ import annotations

@@ -100,8 +100,8 @@ def _packed_rows(store: Store, wanted: set[str]) -> Iterator[tuple[str, object, 
     """Where the packed shards hold these samples, the first found of each: (id, the shard's table, the
     row, the shard's file). The files (Arrow streams, as `datasets` writes them) are memory-mapped, so only the ids and
     those rows' states are read; read with pyarrow alone: every extract job of a run with
-    drop_packed_states asks here first, and importing `datasets` cost it ~0.5 s (up to 2 s on the H200's
-    VM) while the engine waited."""
+    drop_packed_states asks here first, and importing `datasets` cost it ~0.5 s (up to 2 s on a GPU
+    node) while the engine waited."""
     wanted = set(wanted)
     if not wanted:
         return

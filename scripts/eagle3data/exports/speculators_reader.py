@@ -18,7 +18,7 @@ a files export's files against their own CRC32s, and either's small files agains
 
 speculators has no plugin entry point, so the backend must be registered before its CLI resolves the
 arguments: `python -m eagle3data.exports.speculators_reader <speculators train flags> --hidden-states-backend
-eagle3data` does that and runs the trainer (`eagle3data.bench.speculators_cpu` imports it too).
+eagle3data` does that and runs the trainer (`eagle3bench.speculators_cpu` imports it too).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class PackedStatesTransfer(HiddenStatesTransfer):
     def rows_as_decoded(self) -> bool:
         """Whether a row's states go to the trainer as they are read: decompressed into new memory, their
         slots already the trainer's order. Otherwise the slots are copied out (of the read-only memory map,
-        or reordered): on 2 cores that copy took a quarter of the reader's time (figure 12)."""
+        or reordered): on 2 cores that copy took a quarter of the reader's time."""
         return is_compressed(self.dataset.metadata) and self.slots == list(range(self.dataset.n_captures))
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:

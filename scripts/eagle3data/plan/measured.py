@@ -1,5 +1,5 @@
 """What the benchmark runs measured, read back to plan a user's run: the measurement index
-(docs/measurements/index.csv, written by `python -m eagle3data.bench.table`), each figure's current
+(docs/measurements/index.csv, written by `python -m eagle3bench.table`), each figure's current
 series, the measured run that supports a time estimate for a model, and the stored ratio of real states.
 Preflight reads it for its disk and time lines; the benchmark's tables read it for the documentation.
 """
@@ -83,13 +83,13 @@ def model_of(data: dict) -> dict | None:
 
 @dataclass(frozen=True)
 class RunRate:
-    """One benchmark run of the whole pipeline (figure 7's run), in absolute terms."""
+    """One benchmark run of the whole pipeline, in absolute terms."""
 
     hardware: str
     file: str
     model: dict
     tokens: int
-    extract_tps: float  # figure 1's extract stage on the same machine, same run
+    extract_tps: float  # the extract stage measured alone, same machine, same run
     steady_tps: float  # the engine ready to the last extract job's end
     dataset_tps: float  # the engine ready to the packed dataset
     whole_seconds: float  # the command to its end
@@ -144,12 +144,12 @@ def measured_rate(device: str, model: dict, tensor_parallel: int, codec: str = "
     return min(fits, key=lambda r: r.dataset_tps, default=None)
 
 
-# storage.compression.precision -> the figure of the packed dataset's bytes / raw bf16 bytes of real states
+# storage.compression.precision -> the index's figure of the packed dataset's bytes / raw bf16 bytes of real states
 STORED_FIGURES = {"exact": "6", "fp8_e4m3": "6f"}
 
 
 def stored_ratio(cur: dict[tuple[str, str], list[Row]] | None = None, precision: str = "exact") -> float:
-    """The packed dataset's bytes / raw bytes of real states with zstd at `precision`: figure 6's (exact) or
-    6f's (fp8_e4m3) worst (largest) current run on the CPU, where the storage benchmark runs; `cur` (from
-    current()) or else the index on disk."""
+    """The packed dataset's bytes / raw bytes of real states with zstd at `precision`: the storage
+    benchmark's worst (largest) current run, on the CPU where it runs; `cur` (from current()) or else the
+    index on disk."""
     return max(r.value for r in (cur or current(read_index()))[(CPU, STORED_FIGURES[precision])])

@@ -4,7 +4,7 @@ A bf16 state's two bytes differ: the high one (sign and most of the exponent) re
 value and compresses to ~0.4 of itself, the low one (mantissa) hardly at all. Blosc2's byte-shuffle
 filter puts each byte position of a block's values together before zstd (level 1) compresses it, which
 stores real SmolLM2-135M-Instruct states at ~0.71 of their raw bytes, bit for bit (plain zstd ~0.81, LZ4
-with the shuffle ~0.9; docs/benchmarks.md, figure 6). The library does all of it: no byte of the format
+with the shuffle ~0.9; the storage benchmark). The library does all of it: no byte of the format
 is this project's own.
 
 One row of the packed dataset holds its `[L, n_captures, H]` states, C order, in their storage dtype
@@ -15,7 +15,7 @@ shape's last two dimensions; the dataset's metadata names the codec and its sett
 a dataset without the key (written before compression, or with `codec: none`) holds raw values.
 
 The engine's writer threads write each sample's store file raw: compressing there, in the engine's
-process, slowed extraction even where the writers kept up with the GPU (docs/benchmarks.md, figure 1).
+process, slowed extraction even where the writers kept up with the GPU (capture/connector.py).
 Pack compresses each sample as it packs it, in threads of its own process (`encode`), and proves each
 frame by decompressing it against the CRCs validate recorded. A store file written compressed by an earlier version (`hidden_states_frame`
 beside `token_ids`, its safetensors metadata `FRAME_KEY` saying what the frame holds) is still read, and

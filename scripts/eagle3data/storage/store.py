@@ -12,7 +12,7 @@ fsync, rename, fsync the directory. A crash at any point leaves either the old f
 there, utils/faults.py).
 
 The states files are the exception to the fsyncs, not to the rename: an fsync per file inside vLLM's
-writer threads held the extract stage to what the disk syncs file by file (on the H200: 8.6 GB in 512
+writer threads held the extract stage to what the disk syncs file by file (measured: 8.6 GB in 512
 files, 2.0 GB/s synced against 26 GB/s into the page cache; extract at 0.77 of bare prefill). They are
 written with `durable=False`, which renames at once and has a background thread start the file's
 writeback (`start_writeback`), and the extract job makes the whole shard durable once (`make_durable`),
@@ -101,7 +101,7 @@ class Store:
 
     def drop(self, sample_ids: Iterable[str]) -> int:
         """Delete the files of samples that a durable packed shard now holds; how many there were.
-        Several at once: on the H200's disk one unlink of a just-written 16 MB file took ~10 ms, 7 s a shard."""
+        Several at once: on a GPU node, one unlink of a just-written 16 MB file took ~10 ms, 7 s a shard."""
         def drop(sample_id: str) -> bool:
             try:
                 self.path(sample_id).unlink()
@@ -168,7 +168,7 @@ def _fsync_dir(directory: Path) -> None:
 def start_writeback(path: Path) -> None:
     """Have the kernel start writing the file to disk now (Linux's sync_file_range WRITE), from one
     background thread: that call blocks while the disk's queue is full, and vLLM's writer threads must
-    not (on the H200 they then fell 1 s behind the GPU). The disk works while the GPU computes, and
+    not (measured: they then fell 1 s behind the GPU). The disk works while the GPU computes, and
     `make_durable` finds little left. A no-op where the call does not exist: `make_durable` does it all."""
     if _sync_file_range is not None:
         _writeback.submit(_write_back, path)

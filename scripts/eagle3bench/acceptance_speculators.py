@@ -3,7 +3,7 @@
 A vLLM OpenAI server serves the target as speculators' `generate-offline-data` requires it (speculative
 method `extract_hidden_states`, aux layers 2, 15, 27 and 30: the inputs of the layers `--target-layer-ids
 2 15 27` trains on and the last layer's output), with vLLM's stock hidden-states connector whose copy
-is made on CPU (eagle3data.bench.stock_connector_cpu: the one deviation from a GPU run). Through it
+is made on CPU (eagle3bench.stock_connector_cpu: the one deviation from a GPU run). Through it
 `speculators prepare-data` renders the training conversations (`/v1/chat/completions/render`) and
 derives its loss mask, and `speculators generate-offline-data` writes `hidden_states/hs_i.safetensors`.
 Its output has the layout of this pipeline's export, but prepare-data shuffles the rows (seed 0), so
@@ -29,7 +29,7 @@ from typing import Iterator
 import torch
 from safetensors.torch import load_file
 
-from eagle3data.bench.acceptance_data import LAYER_IDS, write_jsonl
+from eagle3bench.acceptance_data import LAYER_IDS, write_jsonl
 
 AUX_LAYERS = [*LAYER_IDS, 30]  # vLLM's aux ids for SmolLM2's 30 layers; 30: the last layer's output
 SEQ_LENGTH = 512  # the pipeline's sequence.max_seq_len in figure 8
@@ -48,7 +48,7 @@ def server_command(model: Path, port: int, storage: Path) -> list[str]:
     speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": AUX_LAYERS}}}
     transfer = {"kv_connector": "CpuHiddenStatesConnector", "kv_role": "kv_producer",
-                "kv_connector_module_path": "eagle3data.bench.stock_connector_cpu",
+                "kv_connector_module_path": "eagle3bench.stock_connector_cpu",
                 "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",

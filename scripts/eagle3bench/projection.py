@@ -6,9 +6,9 @@ validate and pack (each shard packed while later shards are extracted). This com
 elsewhere (docs/benchmarks.md, docs/measurements/*.json) into one estimate, says which term bounds the
 share (goal >= 0.85 at Kimi scale) and takes any rate given instead. Nothing here ran at Kimi scale.
 
-    python -m eagle3data.bench.projection                  # Kimi-K2.5, 8 x H200, 300,000 conversations
-    python -m eagle3data.bench.projection --disk-gbps 10 --engine-starts per-shard --json
-    python -m eagle3data.bench.projection --measured docs/measurements/2026-11-30-h200-figures-1-7.json
+    python -m eagle3bench.projection                  # Kimi-K2.5, 8 x H200, 300,000 conversations
+    python -m eagle3bench.projection --disk-gbps 10 --engine-starts per-shard --json
+    python -m eagle3bench.projection --measured docs/measurements/2026-11-30-h200-figures-1-7.json
 
 The model (assumed, not measured, unless a rate says so):
 - N conversations of one mean length in equal shards; states are captures x hidden x 2 bytes a token
@@ -189,7 +189,7 @@ def project(node: Node) -> dict:
 
 
 def measured_rates(path: Path) -> dict:
-    """The rates a benchmark JSON holds: `eagle3data.bench.extract`'s, or the benchmark command's
+    """The rates a benchmark JSON holds: `eagle3bench.extract`'s, or the benchmark command's
     (`measurements.extract`, `measurements.io`)."""
     data = json.loads(path.read_text())
     groups = data.get("measurements", {"extract": data})
@@ -299,7 +299,7 @@ def print_projection(node: Node, sources: dict, result: dict, compared: dict) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m eagle3data.bench.projection", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m eagle3bench.projection", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conversations", type=int, default=300_000, help="default: %(default)s")
     p.add_argument("--tokens-per-conversation", type=float, default=400,

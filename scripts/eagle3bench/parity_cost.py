@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3data.bench import projection
-from eagle3data.bench.files import drop_from_page_cache
+from eagle3bench import projection
+from eagle3bench.files import drop_from_page_cache
 from eagle3data.model.weights import NORM_NAMES, FinalNorm, output_head, read_tensor, tensor_files
 from eagle3data.validate.parity import POSITIONS, next_token_log_probs
 

@@ -14,9 +14,9 @@ Model FLOPs count every matrix product a prefill does (active experts only, atte
 head for the one sampled position per prompt), not embeddings. Prints one line per figure, last, and
 writes everything as JSON.
 
-    python -m eagle3data.bench.extract --model resources/demo-model --device cpu \
+    python -m eagle3bench.extract --model resources/demo-model --device cpu \
         --captures 2:input,4:input,5:input,7:output --prompts 32 --tokens 500
-    python -m eagle3data.bench.extract --shape llama-8b --model /tmp/llama8b --engine load_format=dummy \
+    python -m eagle3bench.extract --shape llama-8b --model /tmp/llama8b --engine load_format=dummy \
         --captures 2:input,16:input,29:input,31:output --prompts 512 --tokens 512 --out bench.json
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3data.bench.crosscheck import parse_capture_arg, parse_engine_args
+from eagle3bench.crosscheck import parse_capture_arg, parse_engine_args
 from eagle3data.engine.start import installed_vllm
 
 PHASES = ("matmul", "write", "bare", "extract")
@@ -132,7 +132,7 @@ def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
     from eagle3data.model.info import read_model_info
     from eagle3data.contracts.states import Expected
     from eagle3data.storage.store import Store
-    from eagle3data.bench.synthetic import write_token_shard
+    from eagle3bench.synthetic import write_token_shard
 
     work = Path(args.work)
     write_token_shard(str(work / "shard.parquet"), prompts)
@@ -242,7 +242,7 @@ def run_phase(args) -> dict:
     from eagle3data.contracts.layers import parse_captures
     from eagle3data.model.info import read_model_info
     from eagle3data.config.settings import engine_config
-    from eagle3data.bench.synthetic import random_prompts
+    from eagle3bench.synthetic import random_prompts
 
     if args.phase == "matmul":
         return matmul_flops(args.device, args.matmul_size)
@@ -331,7 +331,7 @@ def _child(phase: str) -> dict:
     if "--shape" in argv:
         i = argv.index("--shape")
         del argv[i : i + 2]
-    proc = subprocess.run([sys.executable, "-m", "eagle3data.bench.extract", *argv, "--phase", phase],
+    proc = subprocess.run([sys.executable, "-m", "eagle3bench.extract", *argv, "--phase", phase],
                           stdout=subprocess.PIPE, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("BENCH-RESULT ")]
     if proc.returncode != 0 or not lines:

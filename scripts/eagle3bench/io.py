@@ -7,7 +7,7 @@ config.json only; samples of `[512, 4, 7168]` random bf16 states are written as 
 the header) with a tokenized shard and an extract manifest per shard. The real `validate` and `pack` stages then run on them as Snakemake runs them: in
 their own process with OMP_NUM_THREADS set to the rule's `threads` (validate 2; pack_shard
 storage.compression.threads, capped by the cores as Snakemake caps it), timed inside it
-(`python -m eagle3data.bench.io validate|pack JOB.json`), beside their references on the same files:
+(`python -m eagle3bench.io validate|pack JOB.json`), beside their references on the same files:
 plainly reading them, and `cp` of them. Two sets of raw files, as the connector writes them: one validated
 and packed into a zstd dataset (pack compresses), one packed without compression, in the same passes; rates are of the states' raw bytes. Before each timed pass the files are dropped from the page cache
 (posix_fadvise DONTNEED), so every pass reads them from disk, as a production shard (tens of GB) is
@@ -36,8 +36,8 @@ from eagle3data.config.settings import Settings
 from eagle3data.contracts.measuring import facts_header, save_states
 from eagle3data.model.shapes import write_shape
 from eagle3data.storage.store import atomic_path, sample_path
-from eagle3data.bench.files import drop_from_page_cache, read_files
-from eagle3data.bench.synthetic import random_prompts, write_token_shard
+from eagle3bench.files import drop_from_page_cache, read_files
+from eagle3bench.synthetic import random_prompts, write_token_shard
 
 
 @dataclass
@@ -144,7 +144,7 @@ def stage_in_child(stage: str, settings: Settings, shards: list[Shard], out_dir:
                                "out_dir": str(out_dir), "read_states": read_states, "threads": threads}))
     # Started through `timeout`, which forks it: a process exec'd straight from this one would count
     # this one's memory in its ru_maxrss (Linux keeps the high-water mark across exec).
-    proc = subprocess.run(["timeout", "3600", sys.executable, "-m", "eagle3data.bench.io", stage, str(job)],
+    proc = subprocess.run(["timeout", "3600", sys.executable, "-m", "eagle3bench.io", stage, str(job)],
                           check=True, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -152,7 +152,7 @@ def stage_in_child(stage: str, settings: Settings, shards: list[Shard], out_dir:
 def open_dataset_rate(dataset: Path, repeats: int) -> float:
     """Raw state bytes a second that `open_dataset` gives back from `dataset`'s rows, warm (figure 12's
     protocol on Kimi-shaped rows, `storage.as_data_loader`); the best of `repeats` passes."""
-    from eagle3data.bench.storage import as_data_loader
+    from eagle3bench.storage import as_data_loader
     from eagle3data.dataset.format import open_dataset
 
     ds = open_dataset(dataset)
@@ -264,5 +264,5 @@ def _child(stage: str, job_file: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in ("validate", "pack"):
-        sys.exit("usage: python -m eagle3data.bench.io validate|pack JOB.json")
+        sys.exit("usage: python -m eagle3bench.io validate|pack JOB.json")
     _child(*sys.argv[1:])

@@ -12,7 +12,7 @@ EPYC, 12 held-out prompts x 48 tokens: the target alone 64.7 -> 30.3 s per proce
 -> 4.0 s, generation 28.5 -> 15.3 s), with a draft 103.7 -> 51.1 s; the same token ids and the same
 speculative counts either way.
 
-    python -m eagle3data.bench.acceptance_serve --model M --prompts P.json --out O.json [--draft D]
+    python -m eagle3bench.acceptance_serve --model M --prompts P.json --out O.json [--draft D]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Run SpecForge 0.2's offline EAGLE-3 trainer, recording its metrics, on a GPU or on CPU, without editing
 the library.
 
-Used by figure 8's arm (e) (eagle3data.bench.acceptance_specforge). Every metrics record the trainer
+Used by figure 8's arm (e) (eagle3bench.acceptance_specforge). Every metrics record the trainer
 logs (train steps, evaluations) is appended as one JSON line to METRICS_JSONL, and
 eagle3data.exports.specforge_reader is installed (a reader export trains too). Without a GPU, SpecForge picks
 CPU and gloo by itself, and two things stand in the way. Its FSDP wrapper refuses CPU, but the run
@@ -11,8 +11,8 @@ config sets that, acceptance_specforge.run_config). And its KL loss is a Triton 
 the kernel's own reference (`specforge.core.loss._compute_loss`) writes it, without that reference's
 torch.compile (tests/test_acceptance.py compares the two, values and gradients).
 
-    python -m eagle3data.bench.specforge_train METRICS_JSONL train --config run.yaml
-    python -m eagle3data.bench.specforge_train METRICS_JSONL export --to sglang ...
+    python -m eagle3bench.specforge_train METRICS_JSONL train --config run.yaml
+    python -m eagle3bench.specforge_train METRICS_JSONL export --to sglang ...
 """
 
 from __future__ import annotations

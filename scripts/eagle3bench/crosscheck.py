@@ -5,7 +5,7 @@ before the final norm comes from a forward hook (transformers' last entry is aft
 reference runs in fp32 on the same device first, then the extract stage runs on the same prompts, and
 each capture is compared by relative error ||vllm - ref|| / ||ref|| (and max absolute difference).
 
-    python -m eagle3data.bench.crosscheck --model DIR --captures 2:input,4:input,5:input,7:output \
+    python -m eagle3bench.crosscheck --model DIR --captures 2:input,4:input,5:input,7:output \
         --dtype float32 --engine attention_backend=CPU_MLA --tolerance 1e-4
 
 Prints one JSON object; exits 1 when a capture's relative error exceeds the tolerance.
@@ -85,7 +85,7 @@ def main() -> None:
     from eagle3data.config.settings import engine_config
     from eagle3data.contracts.states import Expected
     from eagle3data.storage.store import Store
-    from eagle3data.bench.synthetic import random_prompts, write_token_shard
+    from eagle3bench.synthetic import random_prompts, write_token_shard
     from eagle3data.contracts.measuring import load_stored
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

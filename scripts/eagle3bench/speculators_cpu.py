@@ -1,13 +1,13 @@
 """Run speculators 0.9's EAGLE-3 trainer on CPU, recording its metrics, without editing the library.
 
-Used by figure 8 (eagle3data.bench.acceptance) and tests/test_trainers.py.
+Used by figure 8 (eagle3bench.acceptance) and tests/test_trainers.py.
 
 The CLI puts the model on accelerator 0 ("Cannot access accelerator device" here) and synchronizes it;
 this wrapper makes the trainer's local rank "cpu" and the synchronize a no-op, runs Muon's bf16 Newton-Schulz step through float32 products on a CPU
-without bf16 instructions (eagle3data.bench.muon_cpu), and appends every metrics record the trainer
+without bf16 instructions (eagle3bench.muon_cpu), and appends every metrics record the trainer
 logs (train steps, validation epochs) as one JSON line to METRICS_JSONL.
 
-    python -m eagle3data.bench.speculators_cpu METRICS_JSONL <speculators train flags>
+    python -m eagle3bench.speculators_cpu METRICS_JSONL <speculators train flags>
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main() -> None:
     from speculators.train.config import TrainConfig
 
     import eagle3data.exports.speculators_reader  # noqa: F401  (registers --hidden-states-backend eagle3data)
-    from eagle3data.bench import muon_cpu
+    from eagle3bench import muon_cpu
 
     if muon_cpu.use_where_bf16_is_slow():
         print("eagle3data: no bf16 instructions on this CPU: Muon's Newton-Schulz in float32 products "

@@ -65,7 +65,7 @@ def smollm2_model(path: str = SMOLLM2) -> Path:
 
 
 def _run(work: Path, config: dict) -> Path:
-    from eagle3data.bench.stages import snakemake
+    from eagle3bench.stages import snakemake
 
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.yaml").write_text(yaml.safe_dump(config))
@@ -76,8 +76,8 @@ def _run(work: Path, config: dict) -> Path:
 def smollm2_run(work: Path, model: Path, conversations: int) -> Path:
     """The real target on figure 8's first `conversations` training conversations, compression and
     every other storage setting at their defaults but the store's files kept (for figure 12's raw pack)."""
-    from eagle3data.bench import prompts
-    from eagle3data.bench.acceptance_data import write_jsonl
+    from eagle3bench import prompts
+    from eagle3bench.acceptance_data import write_jsonl
 
     train, _ = prompts.split(conversations, 12)  # figure 8's held-out prompts come first
     rows = write_jsonl(prompts.conversations(train), work / "conversations.jsonl")
@@ -275,7 +275,7 @@ def reader_rates(datasets_: dict[str, Path], work: Path, model: Path, repeats: i
 def full_check_rates(datasets_: dict[str, Path]) -> dict:
     """The full check of each dataset from disk (its files evicted from the page cache) against a plain
     read of the same files from disk: GB/s of the files' bytes, and their ratio."""
-    from eagle3data.bench.files import drop_from_page_cache, read_files
+    from eagle3bench.files import drop_from_page_cache, read_files
     from eagle3data.dataset.check import data_files, full_check
 
     out = {}

@@ -3,7 +3,7 @@
 The same conversations and the same states as (a), read through SpecForge's own offline reader from
 `export/specforge` (one `.ckpt` per sample, the final state after the target's norm), and a draft trained
 by SpecForge's trainer (bench.specforge_train; on CPU, or on a GPU by `python -m
-eagle3data.bench.acceptance_specforge`) with the figure's recipe where SpecForge has the knob
+eagle3bench.acceptance_specforge`) with the figure's recipe where SpecForge has the knob
 (epochs, learning rate, draft vocabulary, sequence length, 3 positions, seed); its optimizer is its own
 (AdamW over fp32 master weights; speculators' is Muon). What SpecForge needs beside the export, written
 here for each run, is what a user of the export needs:
@@ -24,7 +24,7 @@ served is the last epoch's, written by `specforge export --to sglang` (the layou
 On CPU the run config asks for DDP and SDPA attention (specforge_train says why); on a GPU it keeps
 SpecForge's defaults (FSDP, flex attention, its Triton loss).
 
-    python -m eagle3data.bench.acceptance_specforge EXPORT_DIR --model M --train 64 --eval 12 --out DIR [--quick]
+    python -m eagle3bench.acceptance_specforge EXPORT_DIR --model M --train 64 --eval 12 --out DIR [--quick]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from eagle3data.bench.acceptance_train import SIZES, Recipe
+from eagle3bench.acceptance_train import SIZES, Recipe
 
 # On CPU: DDP over gloo (SpecForge's FSDP refuses CPU) and SDPA attention (flex attention has no backward
 # on CPU; SpecForge's eagle3 offers fa, flex_attention, sdpa, usp). On a GPU, SpecForge's defaults.
@@ -117,12 +117,12 @@ def train_specforge(export: Path, n_train: int, n_eval: int, model: Path, recipe
     run_yaml.write_text(yaml.safe_dump(config))
     metrics = out / "metrics.jsonl"
     with open(log, "w") as f:
-        cmd = [sys.executable, "-m", "eagle3data.bench.specforge_train", str(metrics), "train", "--config",
+        cmd = [sys.executable, "-m", "eagle3bench.specforge_train", str(metrics), "train", "--config",
                str(run_yaml)]
         if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=out).returncode != 0:
             raise RuntimeError(f"SpecForge training failed; see {log}")
         last = max((out / "run").glob("specforge-run-step*"), key=lambda p: int(p.name.rsplit("step", 1)[1]))
-        cmd = [sys.executable, "-m", "eagle3data.bench.specforge_train", str(metrics), "export", "--to", "sglang",
+        cmd = [sys.executable, "-m", "eagle3bench.specforge_train", str(metrics), "export", "--to", "sglang",
                "--checkpoint", str(last), "--draft-config", str(out / "draft-config.json"),
                "--output-dir", str(out / "draft"), "--vocab-mapping", str(export / "vocab_mapping.pt")]
         if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=out).returncode != 0:
@@ -131,7 +131,7 @@ def train_specforge(export: Path, n_train: int, n_eval: int, model: Path, recipe
     evals = [r for r in records if "eval/avg_loss" in r]
     acc = [evals[-1][f"eval/per_position_acc/{k}"] for k in range(recipe.ttt_steps)]
     return {"draft": str(out / "draft"), "steps": sum("loss" in r for r in records), "val_by_epoch": evals,
-            "teacher_forced_acc": acc, "trainer": f"specforge 0.2.0 on {device()} (eagle3data.bench.specforge_train)"}
+            "teacher_forced_acc": acc, "trainer": f"specforge 0.2.0 on {device()} (eagle3bench.specforge_train)"}
 
 
 def device() -> str:

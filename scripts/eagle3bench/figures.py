@@ -1,13 +1,13 @@
-r"""Every stage measured against its own limit, in one run: `python -m eagle3data.bench` runs `main`.
+r"""Every stage measured against its own limit, in one run: `python -m eagle3bench` runs `main`.
 
 Each figure is a ratio (or, for planning, seconds) of a stage against its reference, both measured in
 the same run on the same data. Prints, last, one line per figure (number, name, value, goal, PASS /
 FAIL, or `-` where the issue sets no goal), and writes every measurement as JSON (`--out`). See
 docs/benchmarks.md for what each figure measures and how.
 
-    python -m eagle3data.bench --quick --out bench.json          # a few minutes on 2 cores
-    python -m eagle3data.bench --out bench.json                  # the full sizes
-    python -m eagle3data.bench --figures 1,7 --device cuda --model DIR --captures 2:input,... \
+    python -m eagle3bench --quick --out bench.json          # a few minutes on 2 cores
+    python -m eagle3bench --out bench.json                  # the full sizes
+    python -m eagle3bench --figures 1,7 --device cuda --model DIR --captures 2:input,... \
         --engine load_format=dummy                                   # extraction on a GPU
 """
 
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from eagle3data.utils.checkout import REPO
-from eagle3data.bench.crosscheck import parse_capture_arg, parse_engine_args
+from eagle3bench.crosscheck import parse_capture_arg, parse_engine_args
 
 DEMO_MODEL = "resources/demo-model"
 DEMO_CAPTURES = "2:input,4:input,5:input,7:output"
@@ -89,11 +89,11 @@ def run_child(cmd: list[str], log: Path) -> None:
 
 
 def extract_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
-    """Figure 1: eagle3data.bench.extract (pipeline extract vs bare prefill of the same engine)."""
-    from eagle3data.bench.extract import describe_steps
+    """Figure 1: eagle3bench.extract (pipeline extract vs bare prefill of the same engine)."""
+    from eagle3bench.extract import describe_steps
 
     out = work / "extract.json"
-    cmd = [sys.executable, "-m", "eagle3data.bench.extract", "--model", args.model, "--device", args.device,
+    cmd = [sys.executable, "-m", "eagle3bench.extract", "--model", args.model, "--device", args.device,
            "--captures", args.captures, "--prompts", str(scale.extract_prompts),
            "--tokens", str(scale.extract_tokens), "--work", str(work / "extract"),
            "--out", str(out)]
@@ -127,7 +127,7 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
     seconds); 7t its tail in seconds, from the last extract job's end to the packed dataset. 10 and 11: its
     disk footprint with the trainer exports (run only when asked for: on a GPU's disk a SpecForge copy of a
     large run may not fit)."""
-    from eagle3data.bench.stages import measure_end_to_end
+    from eagle3bench.stages import measure_end_to_end
 
     bare_tps = measured["extract"]["bare"]["tokens_per_second"]
     engine = {"device": args.device, **parse_engine_args(args.engine)}
@@ -182,9 +182,9 @@ def end_to_end_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[
 
 
 def io_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
-    """Figures 2, 3 and 3m on Kimi-sized synthetic samples (eagle3data.bench.io); their storage ratio
+    """Figures 2, 3 and 3m on Kimi-sized synthetic samples (eagle3bench.io); their storage ratio
     goes into figure 6's line."""
-    from eagle3data.bench.io import measure
+    from eagle3bench.io import measure
 
     r = measure(work / "io", 1, scale.io_samples_per_shard, 512, scale.io_repeats)
     rss, shape = r["pack_peak_rss_mib"], r["shape"]
@@ -213,8 +213,8 @@ def io_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, li
 
 def storage_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
     """Figure 6 on real SmolLM2 states and the demo, 6f and 6e the same states as fp8, figure 12 the
-    trainers' readers on them (eagle3data.bench.storage)."""
-    from eagle3data.bench.storage import describe_verification, measure
+    trainers' readers on them (eagle3bench.storage)."""
+    from eagle3bench.storage import describe_verification, measure
 
     r = measure(work / "storage", args.model, scale.storage_conversations, scale.reader_repeats)
     real, demo, codecs, error = r["smollm2"], r["demo"], r["smollm2_codecs"], r["fp8_error"]
@@ -261,7 +261,7 @@ def storage_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dic
 
 
 def tokenize_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
-    from eagle3data.bench.stages import measure_tokenize
+    from eagle3bench.stages import measure_tokenize
 
     sequence = {"max_seq_len": 512, "min_seq_len": 8}  # the demo's
     r = measure_tokenize(work, args.model, scale.tokenize_conversations, sequence)
@@ -271,7 +271,7 @@ def tokenize_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[di
 
 
 def planning_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
-    from eagle3data.bench.stages import measure_planning
+    from eagle3bench.stages import measure_planning
 
     r = measure_planning(work / "plan", scale.plan_conversations)
     return r, [judged("5", "planning", r["seconds"], "< 30",
@@ -281,7 +281,7 @@ def planning_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[di
 
 def load_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
     """Figure 9: (engine start - a dummy-weight start) / the cold read of the weights (bench.load)."""
-    from eagle3data.bench.load import describe, measure
+    from eagle3bench.load import describe, measure
 
     r = measure(args.model, scale.load_runs)
     return r, [judged("9", "load", r["ratios"][0], "<= 1.5", describe(r))]
@@ -289,7 +289,7 @@ def load_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, 
 
 def parity_figures(args, scale: Scale, work: Path, measured: dict) -> tuple[dict, list[Figure]]:
     """Figure 13: the parity gate's cost in a production run (bench.parity_cost)."""
-    from eagle3data.bench.parity_cost import describe, measure
+    from eagle3bench.parity_cost import describe, measure
 
     r = measure(work / "parity")
     return r, [judged("13", "parity", r["ratios_worst_first"][0], "<= 0.02", describe(r))]
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     if not Path(args.model, "config.json").is_file() and args.model == DEMO_MODEL:
         from eagle3data.model.demo import build_demo_model
-        from eagle3data.bench.stages import DEMO
+        from eagle3bench.stages import DEMO
 
         build_demo_model(DEMO, Path(args.model))
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit(), "host": platform.node(),

@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle3data.bench.acceptance_data import LAYER_IDS
+from eagle3bench.acceptance_data import LAYER_IDS
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Recipe:
                 "float32", "--on-missing", "raise", "--num-workers", "0", "--log-freq", "1"]
 
     def stated(self) -> dict:
-        return {**asdict(self), "trainer": "speculators 0.9.0 on CPU (eagle3data.bench.speculators_cpu)"}
+        return {**asdict(self), "trainer": "speculators 0.9.0 on CPU (eagle3bench.speculators_cpu)"}
 
 
 def train(model: Path, data: Path, n_train: int, n_total: int, recipe: Recipe, out: Path, log: Path,
@@ -47,7 +47,7 @@ def train(model: Path, data: Path, n_train: int, n_total: int, recipe: Recipe, o
     metrics = out / "metrics.jsonl"
     out.mkdir(parents=True, exist_ok=True)
     ratio = (n_train + 0.5) / n_total  # the trainer splits at int(rows * ratio): exactly n_train
-    cmd = [sys.executable, "-m", "eagle3data.bench.speculators_cpu", str(metrics),
+    cmd = [sys.executable, "-m", "eagle3bench.speculators_cpu", str(metrics),
            "--verifier-name-or-path", str(model), "--data-path", str(data), *recipe.flags(),
            "--train-data-ratio", repr(ratio), "--seed", str(seed), "--save-path", str(out / "checkpoints")]
     with open(log, "w") as f:

@@ -10,7 +10,7 @@ tokenizer, planning, generation, files), their ratio per run, worst first, and t
 engine loop alone (requests queued, responses journaled and parsed) to bare `generate()`. One warm-up
 `generate()` first; the two sides alternate in order from run to run.
 
-    python -m eagle3data.bench.regenerate --model resources/smollm2-135m --device cpu \
+    python -m eagle3bench.regenerate --model resources/smollm2-135m --device cpu \
         --conversations data/smollm2/conversations.jsonl --max-new-tokens 64 --runs 3
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from eagle3data.bench.crosscheck import parse_engine_args
+from eagle3bench.crosscheck import parse_engine_args
 from eagle3data.inputs.conversations import count_conversations, read_shard
 from eagle3data.engine.start import start_engine
 from eagle3data.regenerate.journal import Journal
