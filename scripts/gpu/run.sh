@@ -109,7 +109,7 @@ case "$what" in
             # CAPTURES for another shape); figure 1's prompts (FIGURE1_PROMPTS, 2048), figure 7's shards
             # (FIGURE7_SHARDS, 8) and its extract jobs side by side (JOBS_PER_ENGINE, 2), the states' codecs
             # (CODEC, zstd,none: figure 1 for each side by side, figure 7 with the first), TAG names the JSON;
-            # FIGURES a subset (7,7d,7w,7t: figure 7, which still starts the bare engine for its reference)
+            # FIGURES a subset (7,7d,7w,7t: figure 7, which runs figure 1 too: its bare prefill is the reference)
     step "figures 1,7 (${FIGURE_MODEL:-dummy weights}, ${CODEC:-zstd,none})"
     model=${FIGURE_MODEL:-/tmp/llama-8b} engine=(max_num_batched_tokens=16384 max_num_seqs=128 batch_samples=512)
     if [[ -z ${FIGURE_MODEL:-} ]]; then
