@@ -248,6 +248,17 @@ def _fp8_reader(cur: dict) -> list[dict[str, float]]:
     return [{name: by["speculators"] / 1e9 for name, by in run["readers"]["bytes_per_second"].items()} for run in runs]
 
 
+def _store_rate(cur: dict, hardware: str) -> tuple[float, float]:
+    """GB/s of raw states: what the store took from the engine ready to the last extract job's end, and
+    what the engine makes at bare prefill's rate (the worst run to the packed dataset on `hardware`)."""
+    rate = _rate(cur, hardware)
+    run = load(MEASUREMENTS / rate.file)["measurements"]["end_to_end"]
+    raw, bare = run["footprint"]["raw_state_bytes"], load(MEASUREMENTS / rate.file)["measurements"]["extract"]
+    per_token = raw / run["tokens"]
+    return (raw / run["timeline"]["last_extract_end"] / 1e9,
+            per_token * bare["bare"]["tokens_per_second"] / 1e9)
+
+
 def _span(values: list[float], digits: int = 2) -> str:
     lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
     return lo if lo == hi else f"{lo}-{hi}"
@@ -278,6 +289,16 @@ QUOTES = {
                         lambda cur: f"{_values(cur, CPU, '11')[0]:.2f}"),
     "parity-cost": ("figure 13, the worst run: the parity gate's share of extraction, projected",
                     lambda cur: f"{_values(cur, CPU, '13')[0]:.4f}"),
+    "steady-h100-real": ("figure 7, the worst run on the H100 on realistic states, zstd: the steady part / bare prefill",
+                         lambda cur: f"{_values(cur, f'{H100_REAL}, zstd', '7')[0]:.2f}"),
+    "dataset-h100-real": ("figure 7d, the same: to the packed dataset / bare prefill",
+                          lambda cur: f"{_values(cur, f'{H100_REAL}, zstd', '7d')[0]:.2f}"),
+    "tail-h100-real": ("figure 7t, the same: seconds from the last extract job's end to the packed dataset",
+                       lambda cur: f"{_values(cur, f'{H100_REAL}, zstd', '7t')[0]:.0f}"),
+    "store-gbps-h100-real": ("the same run: GB/s of raw states the store took in its steady part",
+                             lambda cur: f"{_store_rate(cur, f'{H100_REAL}, zstd')[0]:.2f}"),
+    "engine-gbps-h100-real": ("the same run: GB/s of raw states the engine makes at bare prefill's rate",
+                              lambda cur: f"{_store_rate(cur, f'{H100_REAL}, zstd')[1]:.2f}"),
     "dataset-h100": ("figure 7d, the worst run on the H100 with zstd: to the packed dataset / bare prefill",
                      lambda cur: f"{_values(cur, '1x H100, dummy weights, zstd', '7d')[0]:.2f}"),
     "whole-h100": ("figure 7w, the worst run on the H100 with zstd: the whole run / bare prefill",
