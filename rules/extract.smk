@@ -21,13 +21,10 @@ rule extract:
     resources:
         gpu=GPUS_PER_EXTRACT,
         mem_mb=lambda wildcards, attempt: EXTRACT_MEM_MB * attempt,
-    # What determines the data: a change re-runs the job (it recomputes what no longer matches). The
-    # engine settings (batch sizes, memory) are read at run time: changing them re-runs nothing.
+    # What determines the data (eagle3data.config.settings.data_params): a change re-runs the job, which
+    # recomputes what no longer matches. The engine settings are read at run time: they re-run nothing.
     params:
-        model=config["model"],
-        captures=config["captures"],
-        sequence=config["sequence"],
-        load_format=config["engine"]["load_format"],
+        **DATA_PARAMS,
         rows=shard_rows,
     message:
         "Extracting hidden states for shard {wildcards.shard} ({resources.gpu} GPUs, "

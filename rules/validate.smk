@@ -19,9 +19,7 @@ rule validate:
     resources:
         mem_mb=validate_mem_mb,
     params:
-        model=config["model"],
-        captures=config["captures"],
-        sequence=config["sequence"],
+        **DATA_PARAMS,
         policy=config["validation"]["policy"],
         read_states=config["validation"]["read_states"],
         parity=config["parity"],

