@@ -32,7 +32,7 @@ if __name__ == "__main__":
             trust_remote_code=sm.params.model["trust_remote_code"],
             expected=settings.expected,
             max_seq_len=sm.params.sequence["max_seq_len"],
-            engine=dict(sm.config["engine"]),
+            engine=settings.engine,
             input_shape=shape,
             parity_samples=sm.config["parity"]["samples_per_shard"] if sm.config["parity"]["enabled"] else 0,
             gpus=sm.resources.gpu,

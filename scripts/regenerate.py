@@ -15,6 +15,7 @@ if __name__ == "__main__":
     from eagle3data.regenerate.stage import RegenerateJob, run
     from eagle3data.config.settings import Settings
 
+    settings = Settings(dict(sm.config))
     run(
         RegenerateJob(
             conversations=sm.input.conversations,
@@ -25,9 +26,9 @@ if __name__ == "__main__":
             journal=sm.params.journal,
             model_path=sm.params.model["path"],
             trust_remote_code=sm.params.model["trust_remote_code"],
-            dtype=Settings(dict(sm.config)).dtype,
+            dtype=settings.dtype,
             max_seq_len=sm.params.max_seq_len,
-            engine=dict(sm.config["engine"]),  # read at run time: engine settings do not change the data
+            engine=settings.engine,  # read at run time: engine settings do not change the data
             settings=dict(sm.params.settings),
             chat_template_kwargs=dict(sm.params.model["chat_template_kwargs"]),
         )

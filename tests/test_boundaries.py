@@ -34,7 +34,8 @@ SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         a = json.loads(sys.argv[1])
         captures = parse_captures(a["captures"], 8)
-        llm = engine.start_engine(engine.engine_kwargs(a["model"], captures, "bfloat16", 64, a["engine"],
+        llm = engine.start_engine(engine.engine_kwargs(a["model"], captures, "bfloat16", 64,
+                                                       engine.EngineSettings.from_config(a["engine"]),
                                                        False, a["store"]), 1)
         replies = llm.collective_rpc("eagle3_capture_info")
         from vllm import SamplingParams

@@ -34,6 +34,7 @@ RUNNER = textwrap.dedent(
     """
     import json, sys
     from eagle3data.capture.extract import ExtractJob, run
+    from eagle3data.engine.start import EngineSettings
     from eagle3data.contracts.layers import parse_captures
     from eagle3data.storage.store import Store
     from eagle3data.model.info import read_model_info
@@ -44,7 +45,8 @@ RUNNER = textwrap.dedent(
         info = read_model_info(a["model"])
         captures = parse_captures(a["captures"], info.num_hidden_layers)
         run(ExtractJob(a["shard"], a["manifest"], a["stats"], Store.at(a["store"]), a["model"], False,
-                       Expected(captures, info.hidden_size, a["dtype"]), a["max_seq_len"], a["engine"]))
+                       Expected(captures, info.hidden_size, a["dtype"]), a["max_seq_len"],
+                       EngineSettings.from_config(a["engine"])))
     """
 )
 

@@ -45,8 +45,8 @@ def test_the_next_job_takes_the_engine_loaded_once_the_last_one_hands_it_back(ti
     engine = engine_config({"device": "cpu", "keep_alive_s": 60})
     store = tmp_path / "store"
     kwargs = engine_mod.engine_kwargs(str(tiny_deepseek), captures, "bfloat16", 512, engine, False, str(store))
-    key = engine_pool.engine_key(kwargs, engine["cpu_kv_cache_gib"])
-    spec = {"kwargs": kwargs, "cpu_kv_cache_gib": engine["cpu_kv_cache_gib"],
+    key = engine_pool.engine_key(kwargs, engine.cpu_kv_cache_gib)
+    spec = {"kwargs": kwargs, "cpu_kv_cache_gib": engine.cpu_kv_cache_gib,
             "captures": [c.__dict__ for c in captures], "keep_alive_s": 60}
     first = engine_pool.start_server(key, spec, None, str(tmp_path), "job-a")
     try:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import regex
 import torch
-from conftest import REPO, demo_config, run_snakemake, with_defaults
+from conftest import REPO, demo_config, run_snakemake
 from safetensors import safe_open
 
 from eagle3data.storage.compression import FRAME_TENSOR
@@ -493,11 +493,9 @@ def test_extract_refuses_to_start_when_the_disk_lacks_room(tiny_deepseek, tmp_pa
     write_token_shard(str(tmp_path / "shard.parquet"), random_prompts(3, 50, 500))
     info = read_model_info(tiny_deepseek)
     expected = Expected(parse_captures(DEMO_CAPTURES, 8), info.hidden_size, "bfloat16")
-    engine = with_defaults({"input": "x.jsonl", "model": {"path": "-"}, "captures": DEMO_CAPTURES,
-                            "engine": {"device": "cpu"}})["engine"]
     job = ExtractJob(str(tmp_path / "shard.parquet"), str(tmp_path / "m.parquet"), str(tmp_path / "s.json"),
                      Store.at(tmp_path / "store", check_free_space=True, reserve_gib=1e9), str(tiny_deepseek), False,
-                     expected, 512, engine)
+                     expected, 512, engine_config({"device": "cpu"}))
     with pytest.raises(room.DiskSpaceError) as err:
         run(job)
     message = str(err.value)

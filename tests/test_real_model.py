@@ -258,6 +258,7 @@ RUNNER = textwrap.dedent(
     """
     import json, sys
     from eagle3data.capture.extract import ExtractJob, run
+    from eagle3data.engine.start import EngineSettings
     from eagle3data.contracts.layers import parse_captures
     from eagle3data.storage.store import Store
     from eagle3data.contracts.states import Expected
@@ -266,7 +267,7 @@ RUNNER = textwrap.dedent(
         a = json.loads(sys.argv[1])
         captures = parse_captures(a["captures"], 30)
         run(ExtractJob(a["shard"], a["manifest"], a["stats"], Store.at(a["store"]), a["model"], False,
-                       Expected(captures, 576, "float32"), 256, a["engine"]))
+                       Expected(captures, 576, "float32"), 256, EngineSettings.from_config(a["engine"])))
     """
 )
 

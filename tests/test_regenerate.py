@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from conftest import REPO, SNAKEMAKE, run_snakemake, with_defaults
+from eagle3data.config.settings import engine_config
 from eagle3data.regenerate.journal import Journal, JournalError
 from eagle3data.regenerate.stage import RegenerateJob, Regenerator, plan
 from eagle3data.utils import faults
@@ -195,7 +196,7 @@ def test_turns_past_the_model_length_end_the_conversation_or_fail_it(smollm2, tm
                               "regenerate": {"enabled": True, "turns": "all"}})["regenerate"]
     job = RegenerateJob(conversations="-", rows=(0, 1), out="-", responses="-", stats="-", journal="-",
                         model_path=str(smollm2), trust_remote_code=False, dtype="float32", max_seq_len=56,
-                        engine={"load_format": "auto"}, settings=settings)
+                        engine=engine_config({"load_format": "auto"}), settings=settings)
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     regen = Regenerator(job, tokenizer, Journal(tmp_path / "journal.jsonl"), max_model_len=64)
     conv = plan(0, ROWS[2], "all", tokenizer)  # system, user, assistant, user, assistant

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from eagle3bench.crosscheck import parse_capture_arg, parse_engine_args
-from eagle3data.engine.start import installed_vllm
+from eagle3data.engine.start import EngineSettings, installed_vllm
 
 PHASES = ("matmul", "write", "bare", "extract")
 WRITE_FILES = 512  # at most, in the write phase: enough to measure a rate, not a second copy of the states
@@ -102,7 +102,7 @@ def model_flops(model_dir: str, prompt_lengths: list[int]) -> float:
     return total
 
 
-def bare_prefill(args, engine: dict, prompts: dict, captures) -> dict:
+def bare_prefill(args, engine: EngineSettings, prompts: dict, captures) -> dict:
     """The pipeline's engine without capture: same kwargs, batches and prompts; tokens/s of generate()."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -114,11 +114,11 @@ def bare_prefill(args, engine: dict, prompts: dict, captures) -> dict:
     if args.device == "cpu":  # the extract engine's settings there, one request per step included
         kwargs = engine_mod.cpu_engine_kwargs(kwargs)
     del kwargs["speculative_config"], kwargs["kv_transfer_config"]
-    llm = engine_mod.start_engine(kwargs, engine["cpu_kv_cache_gib"])
+    llm = engine_mod.start_engine(kwargs, engine.cpu_kv_cache_gib)
     rows = list(prompts.values())
     seconds = 0.0
-    for start in range(0, len(rows), engine["batch_samples"]):
-        batch = [TokensPrompt(prompt_token_ids=ids) for ids in rows[start : start + engine["batch_samples"]]]
+    for start in range(0, len(rows), engine.batch_samples):
+        batch = [TokensPrompt(prompt_token_ids=ids) for ids in rows[start : start + engine.batch_samples]]
         began = time.perf_counter()
         llm.generate(batch, SamplingParams(max_tokens=1), use_tqdm=False)
         seconds += time.perf_counter() - began
@@ -126,7 +126,7 @@ def bare_prefill(args, engine: dict, prompts: dict, captures) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
 
 
-def pipeline_extract(args, engine: dict, prompts: dict, captures) -> dict:
+def pipeline_extract(args, engine: EngineSettings, prompts: dict, captures) -> dict:
     """The extract stage itself on a shard of the prompts; its own tokens/s (files waited for)."""
     from eagle3data.capture.extract import TIMED_STEPS, ExtractJob, run_alone
     from eagle3data.model.info import read_model_info
@@ -250,7 +250,7 @@ def run_phase(args) -> dict:
     captures = parse_captures(args.captures, info.num_hidden_layers)
     engine = engine_config({"device": args.device, **parse_engine_args(args.engine)})
     if args.phase == "write":
-        return store_write_rate(args, captures, info.hidden_size, engine["writer_threads"])
+        return store_write_rate(args, captures, info.hidden_size, engine.writer_threads)
     prompts = random_prompts(args.prompts, args.tokens, min(info.vocab_size, 30000), seed=7)
     phase = bare_prefill if args.phase == "bare" else pipeline_extract
     return phase(args, engine, prompts, captures)

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     kwargs = engine_settings(job)
     prompts, params = bare_requests(job, kwargs["max_model_len"])
-    llm = start_engine(kwargs, engine["cpu_kv_cache_gib"])
+    llm = start_engine(kwargs, engine.cpu_kv_cache_gib)
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     runs = []
     for i in range(args.runs):

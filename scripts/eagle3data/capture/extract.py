@@ -44,7 +44,7 @@ class ExtractJob:
     trust_remote_code: bool
     expected: Expected
     max_seq_len: int
-    engine: dict
+    engine: engine_mod.EngineSettings
     input_shape: disk.InputShape | None = None  # None: this shard is the whole input
     gpus: int = 0  # the job's `gpu` resource: what an engine server it starts claims
     parity_samples: int = 0  # computed samples whose next-token log-probabilities the engine returns
@@ -195,7 +195,7 @@ def _compute(job: ExtractJob, todo: list, failed: dict[str, str], steps: dict[st
             job.model_path, job.expected.captures, job.expected.dtype, job.max_seq_len, job.engine,
             job.trust_remote_code, os.path.abspath(job.store.samples),
         ),
-        job.engine["cpu_kv_cache_gib"], [c.__dict__ for c in job.expected.captures], job.engine["keep_alive_s"],
+        job.engine.cpu_kv_cache_gib, [c.__dict__ for c in job.expected.captures], job.engine.keep_alive_s,
         job.gpus, str(job.run_dir), job.shard_name,
     )
     try:
@@ -234,7 +234,7 @@ def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, 
     (watcher.py) checks the files as they land. Returns the files still to come after the last
     generate(), and for make_durable the whole files and the sync of those found whole early
     (`store.start_syncing`)."""
-    batch = job.engine["batch_samples"]
+    batch = job.engine.batch_samples
     witnessed = {r.sample_id for r in spread(todo, job.parity_samples)}
     progress = tqdm(total=len(todo), desc="extract", unit="sample", mininterval=5)
     with StatesWatcher(job.expected) as watcher:
@@ -265,7 +265,7 @@ def _run_batches(job: ExtractJob, engine: engine_pool.RemoteEngine, todo: list, 
         engine.hand_back()  # the next shard's job may start its prefill while this one's last files land
         began = time.perf_counter()
         syncing, to_come = start_syncing(watcher.whole()), watcher.pending()
-        problems = watcher.finish(job.engine["file_timeout_s"])
+        problems = watcher.finish(job.engine.file_timeout_s)
     steps["files"] += time.perf_counter() - began
     logger.info("%d of %d files were still to come when the last generate() returned; they took %.2f s",
                 to_come, len(todo), steps["files"])

@@ -16,6 +16,7 @@ from eagle3data.config.check import ConfigError  # noqa: F401 (defined once, the
 from eagle3data.contracts.layers import capture_metadata, eagle3_captures, parse_captures
 from eagle3data.model.info import ModelInfo, check_expectations, read_model_info
 from eagle3data.contracts.states import Expected
+from eagle3data.engine.start import EngineSettings
 from eagle3data.storage.store import Store, content_key
 from eagle3data.dataset import packed
 from eagle3data.exports.trainers import trainer_settings
@@ -39,6 +40,10 @@ class Settings:
         info = read_model_info(self.config["model"]["path"])
         check_expectations(info, self.config["model"]["hidden_size"], self.config["model"]["num_hidden_layers"])
         return info
+
+    @functools.cached_property
+    def engine(self) -> EngineSettings:
+        return EngineSettings.from_config(self.config["engine"])
 
     @functools.cached_property
     def captures(self):
@@ -75,7 +80,7 @@ class Settings:
             captures=[c.name for c in self.captures],
             dtype=self.dtype,
         )
-        if self.config["engine"]["load_format"] == "dummy":
+        if self.engine.load_format == "dummy":
             determinants["weights"] = "dummy"
         root = self.run_dir / "states" / content_key(**determinants)
         storage = self.config["storage"]
@@ -151,6 +156,6 @@ def _versions() -> dict:
     return versions
 
 
-def engine_config(overrides: dict, schema: str | Path = SCHEMA) -> dict:
+def engine_config(overrides: dict, schema: str | Path = SCHEMA) -> EngineSettings:
     """The `engine` section with `overrides`, completed with the schema's defaults (for the CLI tools)."""
-    return section_defaults("engine", overrides, schema)
+    return EngineSettings.from_config(section_defaults("engine", overrides, schema))

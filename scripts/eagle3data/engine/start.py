@@ -9,7 +9,10 @@ sample's states then depend on its tokens alone, not on which requests timing pu
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import metadata
 
 from eagle3data.contracts.layers import Capture, vllm_aux_layer_ids
@@ -26,6 +29,37 @@ ALLOW_UNTESTED_ENV = "EAGLE3DATA_ALLOW_UNTESTED_VLLM"
 
 class EngineError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The config's `engine` section, typed: one field per key (config/schema.yaml describes each), built
+    once from the validated config (`config.settings.Settings.engine`) and read as attributes by the
+    stages. `as_dict()` gives the section back for whatever must be serialised."""
+
+    device: str | None
+    tensor_parallel_size: int
+    cpu_job_gpus: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    batch_samples: int
+    gpu_memory_utilization: float
+    cpu_kv_cache_gib: int
+    enforce_eager: bool
+    attention_backend: str | None
+    load_format: str
+    file_timeout_s: float
+    keep_alive_s: float
+    writer_threads: int
+    host_buffer_gib: float
+
+    @classmethod
+    def from_config(cls, section: Mapping) -> EngineSettings:
+        """From a validated `engine` section (the schema's defaults applied: every key present)."""
+        return cls(**section)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def installed_vllm() -> tuple[str, str]:
@@ -49,22 +83,22 @@ def check_vllm_version() -> str:
 
 
 def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_len: int,
-                  engine: dict, trust_remote_code: bool, store_dir: str) -> dict:
+                  engine: EngineSettings, trust_remote_code: bool, store_dir: str) -> dict:
     """Arguments for `vllm.LLM`: extraction of `captures` written by our connector under store_dir."""
     kwargs = dict(
         model=model_path,
         dtype=dtype,
         trust_remote_code=trust_remote_code,
-        tensor_parallel_size=engine["tensor_parallel_size"],
+        tensor_parallel_size=engine.tensor_parallel_size,
         max_model_len=max_seq_len + 8,
-        max_num_batched_tokens=engine["max_num_batched_tokens"],
-        max_num_seqs=engine["max_num_seqs"],
-        enforce_eager=engine["enforce_eager"],
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_num_seqs=engine.max_num_seqs,
+        enforce_eager=engine.enforce_eager,
         enable_prefix_caching=False,
         skip_tokenizer_init=True,
         worker_extension_cls="eagle3data.engine.worker.CaptureInfoExtension",
-        gpu_memory_utilization=engine["gpu_memory_utilization"],
-        load_format=engine["load_format"],
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        load_format=engine.load_format,
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -80,13 +114,13 @@ def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_
                 "shared_storage_path": store_dir,
                 "allow_custom_save_path": True,
                 "use_synchronization_lock": False,
-                "num_writer_threads": engine["writer_threads"],
-                "host_buffer_gib": engine["host_buffer_gib"],
+                "num_writer_threads": engine.writer_threads,
+                "host_buffer_gib": engine.host_buffer_gib,
             },
         },
     )
-    if engine.get("attention_backend"):
-        kwargs["attention_backend"] = engine["attention_backend"]
+    if engine.attention_backend:
+        kwargs["attention_backend"] = engine.attention_backend
     return kwargs
 
 
@@ -94,7 +128,7 @@ def engine_kwargs(model_path: str, captures: list[Capture], dtype: str, max_seq_
 CAPTURE_ONLY = ("speculative_config", "kv_transfer_config", "worker_extension_cls", "skip_tokenizer_init")
 
 
-def generation_engine_kwargs(model_path: str, dtype: str, max_seq_len: int, engine: dict,
+def generation_engine_kwargs(model_path: str, dtype: str, max_seq_len: int, engine: EngineSettings,
                              trust_remote_code: bool) -> dict:
     """The capturing engine's arguments (model, dtype, TP, lengths, batching, loader) without capture."""
     kwargs = engine_kwargs(model_path, [], dtype, max_seq_len, engine, trust_remote_code, store_dir="")

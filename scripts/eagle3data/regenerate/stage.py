@@ -56,7 +56,7 @@ class RegenerateJob:
     trust_remote_code: bool
     dtype: str
     max_seq_len: int
-    engine: dict
+    engine: engine_mod.EngineSettings
     settings: dict  # the config's `regenerate` section
     chat_template_kwargs: dict = field(default_factory=dict)  # config `model.chat_template_kwargs`
 
@@ -121,7 +121,7 @@ class Regenerator:
         self.shape = dict(  # everything besides the prompt that shapes a response
             model=read_model_info(job.model_path).identity, dtype=job.dtype,
             # random weights answer otherwise; every other loader loads the same weights
-            load_format="dummy" if job.engine["load_format"] == "dummy" else "auto", max_model_len=max_model_len,
+            load_format="dummy" if job.engine.load_format == "dummy" else "auto", max_model_len=max_model_len,
             **{k: job.settings[k] for k in ("temperature", "top_p", "seed", "max_new_tokens")},
         )
         self.turns: list[dict] = []
@@ -265,7 +265,7 @@ def run(job: RegenerateJob, llm=None) -> dict:
     engine_start = 0.0
     if queued and llm is None:
         started = time.perf_counter()
-        llm = engine_mod.start_engine(kwargs, job.engine["cpu_kv_cache_gib"])
+        llm = engine_mod.start_engine(kwargs, job.engine.cpu_kv_cache_gib)
         engine_mod.check_prompt_fits(llm, kwargs["max_model_len"])
         engine_start = time.perf_counter() - started
     generating = time.perf_counter()
