@@ -22,8 +22,9 @@ PLANNED, PROBLEMS = plan_problems(
 stop_on(PROBLEMS)
 
 RUN = config["run"]
-# What determines the states: params of extract and validate, so a change re-runs them.
+# What determines the states: params of extract and (but the loader) validate, so a change re-runs them.
 DATA_PARAMS = data_params(config)
+CHECKED_PARAMS = data_params(config, loader=False)
 RUN_DIR = f"results/{RUN}"
 N_CONVERSATIONS = (
     PLANNED.rows if PLANNED.rows is not None else count_conversations(config["input"])

@@ -19,7 +19,7 @@ rule validate:
     resources:
         mem_mb=validate_mem_mb,
     params:
-        **DATA_PARAMS,
+        **CHECKED_PARAMS,
         policy=config["validation"]["policy"],
         read_states=config["validation"]["read_states"],
         parity=config["parity"],

@@ -119,14 +119,16 @@ class Settings:
         return {**meta, "trainers": trainer_settings(meta)}
 
 
-def data_params(config: dict) -> dict:
+def data_params(config: dict, loader: bool = True) -> dict:
     """What determines the states, as the config states it: the params of the rules that compute or check
     them (extract, validate), so that a change re-runs those jobs (Snakemake's params trigger) and each
     recomputes only what no longer matches. The store's key (`Settings.store`) is the same keys resolved
     against the checkpoint, lengths left to the file-by-file token check. The other engine settings (batch
-    sizes, memory) are read at run time: changing them re-runs nothing."""
-    return dict(model=config["model"], captures=config["captures"], sequence=config["sequence"],
-                load_format=config["engine"]["load_format"])
+    sizes, memory) are read at run time: changing them re-runs nothing. Validate takes them without the
+    loader (`loader=False`): a new loader reaches it through extract's new outputs, and a params set of its
+    own unchanged keeps the runs it finished."""
+    params = dict(model=config["model"], captures=config["captures"], sequence=config["sequence"])
+    return {**params, "load_format": config["engine"]["load_format"]} if loader else params
 
 
 def engine_device(configured: str | None) -> str:
