@@ -7,7 +7,7 @@ min_version("9.27")
 
 from eagle3data.utils.problems import stop_on
 from eagle3data.config.run_check import Where, plan_problems, start_problems
-from eagle3data.config.settings import data_params
+from eagle3data.config.settings import data_params, packing_params
 from eagle3data.inputs.conversations import count_conversations
 from eagle3data.plan.memory import VALIDATE_BASE_MB, validate_mb
 from eagle3data.plan.shards import plan
@@ -25,6 +25,8 @@ RUN = config["run"]
 # What determines the states: params of extract and (but the loader) validate, so a change re-runs them.
 DATA_PARAMS = data_params(config)
 CHECKED_PARAMS = data_params(config, loader=False)
+# How the packed rows store them: params of pack_shard, so a new codec, level or precision packs again.
+PACKING_PARAMS = packing_params(config)
 RUN_DIR = f"results/{RUN}"
 N_CONVERSATIONS = (
     PLANNED.rows if PLANNED.rows is not None else count_conversations(config["input"])

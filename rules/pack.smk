@@ -22,6 +22,7 @@ rule pack_shard:
         "../envs/eagle3data.yaml"
     threads: config["storage"]["compression"]["threads"]
     params:
+        **PACKING_PARAMS,
         dataset=f"{RUN_DIR}/dataset",
         counts=f"{RUN_DIR}/dataset.counts.json",
     message:

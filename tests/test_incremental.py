@@ -326,7 +326,7 @@ def test_a_shorter_max_seq_len_recomputes_exactly_the_samples_it_changes(referen
     assert max(dataset(workdir)["seq_len"].to_pylist()) == 128
 
 
-def test_engine_settings_rerun_nothing_but_the_captures_rerun_extract(reference_copy, tiny_deepseek):
+def test_engine_settings_rerun_nothing_captures_rerun_extract_and_storage_packs_again(reference_copy, tiny_deepseek):
     workdir = reference_copy
     engine = {"batch_samples": 4, "max_num_seqs": 4, "max_num_batched_tokens": 2048, "cpu_kv_cache_gib": 2}
     proc = run_snakemake(workdir, "-n", config=small_config(tiny_deepseek, engine=engine))
@@ -335,6 +335,14 @@ def test_engine_settings_rerun_nothing_but_the_captures_rerun_extract(reference_
     proc = run_snakemake(workdir, "-n", config=small_config(tiny_deepseek, captures=captures))
     out = proc.stdout + proc.stderr
     assert re.search(r"extract\s+1", out) and "Params have changed since last execution" in out
+    # How the rows store the states packs the shards again, nothing before; compression threads, nothing.
+    storage = {"compression": {"codec": "none", "threads": 1}}  # the demo's codec
+    proc = run_snakemake(workdir, "-n", config=small_config(tiny_deepseek, storage=storage))
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+    storage = {"compression": {"codec": "zstd", "precision": "fp8_e4m3"}}
+    proc = run_snakemake(workdir, "-n", config=small_config(tiny_deepseek, storage=storage))
+    out = proc.stdout + proc.stderr
+    assert re.search(r"pack_shard\s+\d", out) and not re.search(r"\bextract\s+\d", out), out
 
 
 def test_the_store_key_follows_what_determines_the_data(tiny_deepseek):

