@@ -138,7 +138,7 @@ def check_dataset(path: str | Path) -> str:
                        for name in dict.fromkeys([*want, *have]) if want.get(name) != have.get(name)]
             found += columns + _counts(meta, table.num_rows, str(path / fmt.METADATA_FILE))
             if not columns:
-                found += validate(PackedRows, packed_rows(table, len(meta["captures"]) * meta["hidden_size"]), str(path))[1]
+                found += validate(PackedRows, packed_rows(table, fmt.token_values(meta)), str(path))[1]
     if found:
         total = meta.get("counts", {}).get("packed", 0) if meta else 0
         raise DatasetCheckError(summary(f"dataset {path} fails its checks", found, total, [str(path)]))

@@ -131,9 +131,14 @@ def features(n_captures: int, hidden_size: int, dtype: str, compressed: bool = F
     return datasets.Features(columns)
 
 
+def token_values(meta: dict) -> int:
+    """State values a token of this dataset holds: its captures' hidden values."""
+    return len(meta["captures"]) * meta["hidden_size"]
+
+
 def token_bytes(meta: dict) -> int:
-    """Raw state bytes a token of this dataset holds (its captures' values in their storage dtype)."""
-    return len(meta["captures"]) * meta["hidden_size"] * ITEMSIZES[meta["dtype"]]
+    """Raw state bytes a token of this dataset holds (its values in their storage dtype)."""
+    return token_values(meta) * ITEMSIZES[meta["dtype"]]
 
 
 def meta_features(meta: dict) -> datasets.Features:

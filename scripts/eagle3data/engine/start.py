@@ -9,7 +9,6 @@ sample's states then depend on its tokens alone, not on which requests timing pu
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ class EngineError(RuntimeError):
 class EngineSettings:
     """The config's `engine` section, typed: one field per key (config/schema.yaml describes each), built
     once from the validated config (`config.settings.Settings.engine`) and read as attributes by the
-    stages. `as_dict()` gives the section back for whatever must be serialised."""
+    stages."""
 
     device: str | None
     tensor_parallel_size: int
@@ -57,9 +56,6 @@ class EngineSettings:
     def from_config(cls, section: Mapping) -> EngineSettings:
         """From a validated `engine` section (the schema's defaults applied: every key present)."""
         return cls(**section)
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def installed_vllm() -> tuple[str, str]:

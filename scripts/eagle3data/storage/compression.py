@@ -45,6 +45,7 @@ CODECS = ("zstd", "lz4", "none")
 PRECISIONS = ("exact", "fp8_e4m3")  # storage.compression.precision: the captured values, or e4m3 codes
 FP8_META = "eagle3data"  # an fp8 frame's metalayer: {"precision": "fp8_e4m3", "dtype": what its values read back in}
 FP8_SCALES = "scales"  # an fp8 frame's vlmeta entry: float32 [L, n_captures], little-endian
+CONTAINER = "Blosc2 contiguous frame (cframe) per row: the row's [seq_len, n_captures, hidden_size]"
 FILTER = "shuffle"  # Blosc2's byte shuffle: each byte position of a block's values together
 BLOCK_BYTES = 1 << 20  # measured on real SmolLM2 states: 1 MiB 0.713, Blosc2's automatic size 0.721
 CHUNK_BYTES = 1 << 28  # Blosc2's chunks hold < 2 GiB; a 128k-token Kimi sample (7 GB) takes 27 of these
@@ -105,16 +106,15 @@ class Compression:
             return {"codec": "none"}
         import blosc2
 
-        about = {"library": LIBRARY, "version": blosc2.__version__, "container": "Blosc2 contiguous frame (cframe) "
-                 "per row: the row's [seq_len, n_captures, hidden_size] states, C order, storage dtype",
+        about = {"library": LIBRARY, "version": blosc2.__version__, "container": f"{CONTAINER} states, C order, "
+                 "storage dtype",
                  "codec": self.codec, "level": self.level, "filter": FILTER, "block_bytes": BLOCK_BYTES,
                  "chunk_bytes": CHUNK_BYTES}
         if not self.lossy:
             return about
         return about | {
             "precision": self.precision, "lossy": True,
-            "container": "Blosc2 contiguous frame (cframe) per row: the row's [seq_len, n_captures, hidden_size] "
-                         "float8 e4m3 codes (torch.float8_e4m3fn's bytes), C order; its metalayer "
+            "container": f"{CONTAINER} float8 e4m3 codes (torch.float8_e4m3fn's bytes), C order; its metalayer "
                          f"{FP8_META!r} names the precision and the dtype read back",
             "scales": f"the frame's vlmeta {FP8_SCALES!r}: float32 [seq_len, n_captures], little-endian, each "
                       "token's largest magnitude in that capture / 448; a value reads back as its code times "
@@ -219,11 +219,17 @@ def decode(frame, n_captures: int, hidden_size: int, dtype: np.dtype | None = No
         raise FrameError(f"a frame of {chunked.nbytes} bytes of {chunked.typesize}-byte values is no "
                          f"[L, {n_captures}, {hidden_size}] {dtype}")
     shape = (chunked.nbytes // row, n_captures, hidden_size)
-    if out is None:
-        out = np.empty(shape, dtype=dtype)
-    elif out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
-        raise FrameError(f"a frame of {list(shape)} {dtype} where {list(out.shape)} {out.dtype} was expected")
+    out = _into(out, shape, dtype)
     _decompress(chunked, out.reshape(-1).view(np.uint8), threads)
+    return out
+
+
+def _into(out: np.ndarray | None, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """Where a frame's values go: new memory, or `out` if it is C-contiguous of that shape and dtype."""
+    if out is None:
+        return np.empty(shape, dtype=dtype)
+    if out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+        raise FrameError(f"a frame of {list(shape)} {dtype} where {list(out.shape)} {out.dtype} was expected")
     return out
 
 
@@ -285,9 +291,7 @@ def _decode_fp8(chunked, n_captures: int, hidden_size: int, dtype: np.dtype | No
     values = fp8.dequantize(codes, scales.reshape(codes.shape[:2]), dtype)
     if out is None:
         return values
-    if out.shape != values.shape or out.dtype != dtype or not out.flags.c_contiguous:
-        raise FrameError(f"a frame of {list(values.shape)} {dtype} where {list(out.shape)} {out.dtype} was expected")
-    np.copyto(out, values)
+    np.copyto(_into(out, values.shape, dtype), values)
     return out
 
 
