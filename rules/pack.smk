@@ -23,6 +23,8 @@ rule pack_shard:
     threads: config["storage"]["compression"]["threads"]
     params:
         **PACKING_PARAMS,
+        # rule pack's dataset (named when a packed-again shard finds no room beside the one its links
+        # keep); with its counts file, a params set that runs packed before keep
         dataset=f"{RUN_DIR}/dataset",
         counts=f"{RUN_DIR}/dataset.counts.json",
     message:

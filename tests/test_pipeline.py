@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 
 import datasets
 import pandas as pd
@@ -12,7 +11,6 @@ from conftest import REPO, demo_config, run_snakemake
 from safetensors.torch import load_file
 
 from eagle3data import open_dataset
-from eagle3data.dataset import pack
 
 RUN = "results/demo"
 
@@ -58,29 +56,6 @@ def test_the_dataset_is_an_index_over_the_packed_shards_and_copies_no_bytes(demo
     assert sum(s["packed"] for s in summaries) == counts["packed"]
     # The duplicate conversation is recorded by the later shard that met it again.
     assert sum(len(s["duplicates"]) for s in summaries) == counts["skip_reasons"]["duplicate_conversation"]
-
-
-def _remove_after(barrier, dataset: str, counts: str) -> None:
-    barrier.wait()
-    pack._remove_outdated(dataset, counts)
-
-
-def test_shard_jobs_side_by_side_remove_the_outdated_dataset_once_and_none_fails(tmp_path):
-    """Two pack_shard jobs of a re-run start together and both find the old dataset (seen in CI)."""
-    dataset, counts = tmp_path / "dataset", tmp_path / "dataset.counts.json"
-    dataset.mkdir()
-    for i in range(2000):  # enough files that one deletion is still under way when the other starts
-        (dataset / f"f{i}").write_bytes(b"x")
-    counts.write_text("{}")
-    ctx = multiprocessing.get_context("fork")
-    barrier = ctx.Barrier(4)
-    jobs = [ctx.Process(target=_remove_after, args=(barrier, str(dataset), str(counts))) for _ in range(4)]
-    for job in jobs:
-        job.start()
-    for job in jobs:
-        job.join()
-    assert [job.exitcode for job in jobs] == [0, 0, 0, 0]
-    assert list(tmp_path.iterdir()) == []
 
 
 def test_counts_reconcile_with_reasons(demo_run):

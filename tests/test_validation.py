@@ -227,7 +227,7 @@ def test_pack_rechecks_the_validated_manifest(demo_copy):
 
 
 def test_pack_refuses_to_start_when_the_disk_lacks_room_for_the_dataset(demo_run, tmp_path):
-    from eagle3data.dataset.pack import PackJob, run
+    from eagle3data.dataset.pack import PackJob, check_room, run
     from eagle3data.storage.room import DiskSpaceError
     from eagle3data.storage.store import Store
 
@@ -249,6 +249,10 @@ def test_pack_refuses_to_start_when_the_disk_lacks_room_for_the_dataset(demo_run
     assert f"({states_bytes / 2**30:.2f} GiB still to write + 1000000000.0 GiB reserve)" in message, message
     assert "storage.check_free_space: false" in message
     assert not list(tmp_path.iterdir())  # nothing started: no dataset, no temporary directory, no counts
+    # A shard packed again beside an earlier dataset, which keeps the file it replaces: the refusal names it.
+    with pytest.raises(DiskSpaceError, match="from an earlier pack, keeps the shards it links") as err:
+        check_room(validated[:1], str(tmp_path / "shard.arrow"), job.store, "the packed shard", str(run_dir / "dataset"))
+    assert f"The dataset {run_dir / 'dataset'}," in str(err.value)
 
 
 def test_extract_reuses_a_file_only_if_it_meets_the_same_contract(demo_run, tmp_path):

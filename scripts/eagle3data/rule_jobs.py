@@ -78,7 +78,6 @@ def pack_shard(sm) -> None:
             metadata=settings.dataset_metadata(),
             store=settings.store,
             dataset=sm.params.dataset,
-            dataset_counts=sm.params.counts,
             threads=sm.threads,
         )
     )

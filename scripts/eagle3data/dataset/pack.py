@@ -6,7 +6,9 @@ there) with `datasets`' ArrowWriter (memory: one batch of samples), while the en
 and under `storage.drop_packed_states` then has the store drop the files it packed; rule pack then only
 hard-links those files into the dataset directory, writes its state and info files and renames it into place,
 so the last step after extraction costs seconds, the dataset costs no bytes beside the packed files, and a
-crash never leaves a dataset that looks complete. Every boundary is checked again: each shard's tables against
+crash never leaves a dataset that looks complete. A shard packed again replaces its file under the same name:
+an earlier dataset keeps linking the file it indexed, whole, until rule pack replaces that dataset (a run
+stopped before then runs pack next time). Every boundary is checked again: each shard's tables against
 their contracts, each states file against the checksums validate recorded (a file changed since is refused),
 the counts (conversations in = packed + skipped, quarantined samples included; a conversation that tokenize
 split into several samples adds each sample after its first to the samples in: `split_samples`), and the
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +64,7 @@ from eagle3data.contracts.schemas import (
     states_manifest_contract,
 )
 from eagle3data.contracts.reading import STORAGE, checksum, read_states
+from eagle3data.storage.room import DiskSpaceError
 from eagle3data.storage.store import Store, atomic_path, atomic_write_text, start_writeback
 from eagle3data.utils import faults
 
@@ -104,8 +106,7 @@ class ShardPackJob:
     summary: str
     metadata: dict
     store: Store  # the run's: dropped files come back from it, and go once packed (storage.drop_packed_states)
-    dataset: str = ""  # the dataset indexing the shards (with its counts file): outdated once a shard repacks
-    dataset_counts: str = ""
+    dataset: str = ""  # rule pack's dataset: until pack replaces it, its links hold the shard packed before
     batch_size: int = 32
     threads: int = 1  # the rule's: samples read, checked and compressed at once
 
@@ -257,8 +258,7 @@ def pack_shard(job: ShardPackJob) -> dict:
     if fmt.is_compressed(meta):
         # One Blosc2 thread a sample: the job's threads compress that many samples side by side.
         compression = Compression.from_metadata(meta["compression"], 1)
-    _remove_outdated(job.dataset, job.dataset_counts)
-    check_room([job.states], job.arrow, job.store, "the packed shard")
+    check_room([job.states], job.arrow, job.store, "the packed shard", job.dataset)
     began = time.perf_counter()
     manifest_contract = states_manifest_contract(meta["hidden_size"], meta["dtype"])
     captures_contract = sample_states_contract(tuple(c["name"] for c in meta["captures"]))
@@ -307,32 +307,21 @@ def pack_shard(job: ShardPackJob) -> dict:
     return summary
 
 
-def _remove_outdated(dataset: str, counts: str) -> None:
-    """A dataset over shards of which one is packed anew no longer says what the run holds: removed
-    before the shard is packed, counts first (rule pack writes both again). Rule pack owns them, yet only
-    this job can remove them in time: the dataset hard-links the packed shards, so it goes on reading the
-    shard as it was, whole and complete-looking, until pack runs again, which a run stopped in between
-    never does. Shard jobs run side by side, so the dataset is first renamed away (only one job wins the
-    rename) and then deleted."""
-    if counts:
-        Path(counts).unlink(missing_ok=True)
-    if not dataset:
-        return
-    doomed = Path(dataset).with_name(f".{Path(dataset).name}.outdated-{os.getpid()}")
-    try:
-        os.rename(dataset, doomed)
-    except FileNotFoundError:
-        return
-    logger.info("removing %s: it indexes the shard packed now as it was before", dataset)
-    shutil.rmtree(doomed)
-
-
-def check_room(states: list[str], out: str, store: Store, what: str) -> None:
+def check_room(states: list[str], out: str, store: Store, what: str, earlier_dataset: str = "") -> None:
     """The packed files hold a second copy of every validated state: refuse to start packing on a disk
-    that cannot take it."""
+    that cannot take it. A shard packed again takes room beside the one it replaces while an earlier
+    dataset (rule pack's, replaced only when pack runs) links that one: the refusal says so, and the
+    user, whose trainer may be reading it, decides whether to delete it."""
     states_bytes = sum(_validated_bytes(p) for p in states)
     logger.info("pack: %.2f GiB of validated states to write into %s", states_bytes / 2**30, out)
-    store.check_room(states_bytes, out, what)
+    try:
+        store.check_room(states_bytes, out, what)
+    except DiskSpaceError as exc:
+        if not (earlier_dataset and Path(earlier_dataset).is_dir()):
+            raise
+        raise DiskSpaceError(f"{exc}\nThe dataset {earlier_dataset}, from an earlier pack, keeps the shards it "
+                             "links on this disk until rule pack replaces it: delete it to free their room."
+                             ) from None
 
 
 def _validated_bytes(manifest: str) -> int:
