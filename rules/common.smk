@@ -7,9 +7,10 @@ min_version("9.27")
 
 from eagle3data.utils.problems import stop_on
 from eagle3data.config.run_check import Where, plan_problems, start_problems
-from eagle3data.config.settings import data_params, packing_params
+from eagle3data.config.settings import data_params, packing_params, regeneration_params
 from eagle3data.inputs.conversations import count_conversations
-from eagle3data.plan.memory import VALIDATE_BASE_MB, validate_mb
+from eagle3data.engine.start import EngineSettings
+from eagle3data.plan.memory import VALIDATE_BASE_MB, engine_job_mb, validate_mb
 from eagle3data.plan.shards import plan
 
 # Every problem of the config and the input, told at once in a few lines each, before any job (and in
@@ -25,6 +26,8 @@ RUN = config["run"]
 # What determines the states: params of extract and (but the loader) validate, so a change re-runs them.
 DATA_PARAMS = data_params(config)
 CHECKED_PARAMS = data_params(config, loader=False)
+# What shapes regenerated answers: params of regenerate, so a change generates them again.
+REGENERATION_PARAMS = regeneration_params(config)
 # How the packed rows store them: params of pack_shard, so a new codec, level or precision packs again.
 PACKING_PARAMS = packing_params(config)
 RUN_DIR = f"results/{RUN}"
@@ -34,22 +37,13 @@ N_CONVERSATIONS = (
 SHARD_ROWS = plan(N_CONVERSATIONS, config["shard_size"])
 N_SHARDS = len(SHARD_ROWS)
 SHARDS = [f"{i:05d}" for i in range(N_SHARDS)]
-# One engine per extract job: data-parallel engines are extract jobs scheduled side by side.
-GPUS_PER_EXTRACT = (
-    config["engine"]["tensor_parallel_size"]
-    if config["engine"]["device"] == "cuda"
-    else config["engine"]["cpu_job_gpus"]
-)
-
-
-# Host memory of one extract job on attempt 1, MB (an estimate: a base plus a share per engine GPU).
-# It grows with each retry (mem_mb x attempt; --retries), so a job killed for memory comes back with
-# more, and reuses the samples it finished. profiles/slurm sets its own (EAGLE3_SLURM_EXTRACT_MEM_MB).
-EXTRACT_MEM_MB = (
-    4000 + 16000 * config["engine"]["tensor_parallel_size"]
-    if config["engine"]["device"] == "cuda"
-    else 4000
-)
+# One engine per extract job: data-parallel engines are extract jobs scheduled side by side. Its host
+# memory on attempt 1 grows with each retry (mem_mb x attempt; --retries), so a job killed for memory
+# comes back with more, and reuses the samples it finished. profiles/slurm sets its own
+# (EAGLE3_SLURM_EXTRACT_MEM_MB).
+ENGINE = EngineSettings.from_config(config["engine"])
+GPUS_PER_EXTRACT = ENGINE.job_gpus
+EXTRACT_MEM_MB = engine_job_mb(ENGINE)
 
 
 # Host memory of one validate job on attempt 1, MB: with the parity gate's reference in the first

@@ -17,15 +17,12 @@ rule regenerate:
     resources:
         gpu=GPUS_PER_EXTRACT,
         mem_mb=lambda wildcards, attempt: EXTRACT_MEM_MB * attempt,  # the same engine as extract
-    # What shapes the responses; engine settings are read at run time. The journal (responses stored as
-    # they finish, not an output: a failed or killed job keeps it) makes a re-run generate only what is
-    # missing.
+    # What shapes the responses (eagle3data.config.settings.regeneration_params); engine settings are read
+    # at run time. The journal (responses stored as they finish, not an output: a failed or killed job
+    # keeps it) makes a re-run generate only what is missing.
     params:
+        **REGENERATION_PARAMS,
         rows=shard_rows,
-        model=config["model"],
-        max_seq_len=config["sequence"]["max_seq_len"],
-        load_format=config["engine"]["load_format"],
-        settings=config["regenerate"],
         journal=f"{RUN_DIR}/regenerated/journal/shard-{{shard}}.jsonl",
     message:
         "Regenerating the responses of shard {wildcards.shard} with the target model"

@@ -100,12 +100,13 @@ def demo_run(work: Path, model: str) -> Path:
 
 def stored_ratio(dataset: Path) -> dict:
     """The dataset's data files on disk against the raw bytes of its states."""
-    from eagle3data.dataset.format import open_dataset, token_bytes
+    from eagle3data.contracts.states import Expected
+    from eagle3data.dataset.format import open_dataset
 
     ds = open_dataset(dataset)
     tokens = sum(int(n) for n in ds.hf.data.table["seq_len"].to_pylist())
     stored = sum(p.stat().st_size for p in dataset.glob("data-*.arrow"))
-    raw = tokens * token_bytes(ds.metadata)
+    raw = tokens * Expected.from_metadata(ds.metadata).token_bytes
     return {"samples": len(ds), "tokens": tokens, "stored_bytes": stored, "raw_state_bytes": raw,
             "stored_over_raw": stored / raw, "compression": ds.metadata.get("compression")}
 

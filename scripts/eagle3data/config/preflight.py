@@ -21,7 +21,9 @@ from eagle3data.contracts.dtypes import ITEMSIZES
 from eagle3data.model.weights import reference_layers
 from eagle3data.plan.disk import ExportShape, describe_export, export_bytes, sample_bytes
 from eagle3data.utils.problems import Problem
-from eagle3data.config.settings import Settings, engine_device, with_schema_defaults
+from eagle3data.config.settings import Settings, engine_device
+from eagle3data.utils.defaults import with_schema_defaults
+from eagle3data.engine.start import EngineSettings
 from eagle3data.plan import measured
 from eagle3data.plan.shards import plan
 from eagle3data.inputs.tokenization import load_tokenizer, tokenize_records
@@ -40,7 +42,7 @@ def report(config: dict, schema: str | Path) -> tuple[str, list[Problem]]:
     lines += template_support(tokenizer)
     sizes, input_lines = _input(settings, tokenizer)
     disk, problems = _disk(settings, sizes)
-    lines += input_lines + disk + _engine(config) + _time(settings, sizes) + _changed(config, schema)
+    lines += input_lines + disk + _engine(settings.engine) + _time(settings, sizes) + _changed(config, schema)
     return "\n".join(lines), problems
 
 
@@ -179,10 +181,9 @@ def _disk(settings: Settings, sizes: dict) -> tuple[list[str], list[Problem]]:
     ], problems
 
 
-def _engine(config: dict) -> list[str]:
-    engine = config["engine"]
-    line = f"engine     {engine['device']}, tensor parallel {engine['tensor_parallel_size']}"
-    if engine["device"] == "cuda":
+def _engine(engine: EngineSettings) -> list[str]:
+    line = f"engine     {engine.device}, tensor parallel {engine.tensor_parallel_size}"
+    if engine.device == "cuda":
         import torch
 
         line += f"; {torch.cuda.device_count()} GPUs visible here"
@@ -192,20 +193,20 @@ def _engine(config: dict) -> list[str]:
 def _time(settings: Settings, sizes: dict) -> list[str]:
     """A time to the packed dataset where a measured run supports it (plan.measured.measured_rate: the same
     model shape at TP1 on the same kind of machine), else why there is none."""
-    engine = settings.config["engine"]
+    engine = settings.engine
     device = "cpu"
-    if engine["device"] == "cuda":
+    if engine.device == "cuda":
         import torch
 
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU visible"
     shape = json.loads((Path(settings.model.path) / "config.json").read_text())
     shape = shape.get("text_config", shape)
-    rate = measured.measured_rate(device, shape, engine["tensor_parallel_size"],
+    rate = measured.measured_rate(device, shape, engine.tensor_parallel_size,
                                settings.config["storage"]["compression"]["codec"])
     if rate is None:
         return [f"time       not estimated: nothing measured supports it for this model (hidden "
                 f"{shape.get('hidden_size')}, {shape.get('num_hidden_layers')} layers) at tensor parallel "
-                f"{engine['tensor_parallel_size']} on {device} (measured: docs/expectations.md; "
+                f"{engine.tensor_parallel_size} on {device} (measured: docs/expectations.md; "
                 "python -m eagle3bench.projection models a node)"]
     seconds = sizes["tokens"] / rate.dataset_tps + rate.fixed_seconds
     return [f"time       about {_duration(seconds)} to the packed dataset: {sizes['tokens']:,.0f} tokens at "

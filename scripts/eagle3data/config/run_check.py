@@ -28,7 +28,7 @@ from pathlib import Path
 from eagle3data.config.check import fill_defaults, schema_problems
 from eagle3data.utils.problems import Problem
 from eagle3data.config.settings import engine_device
-from eagle3data.engine.start import ALLOW_UNTESTED_ENV, TESTED_VLLM
+from eagle3data.engine.start import ALLOW_UNTESTED_ENV, TESTED_VLLM, EngineSettings
 from eagle3data.inputs.scan import input_problems
 from eagle3data.model.builds import buildable_problem
 from eagle3data.model.checkpoint import CheckpointFacts, checkpoint_problems
@@ -84,7 +84,7 @@ def plan_problems(config: dict, schema: str | os.PathLike, scan_input: bool = Tr
 
 def start_problems(config: dict, where: Where) -> list[Problem]:
     """What the jobs would meet first (config validated, defaults filled): vLLM, the device, the model."""
-    problems = _vllm(config["engine"]["device"])
+    problems = _vllm(EngineSettings.from_config(config["engine"]).device)
     builder = config["model"]["build_demo"] or config["model"]["from_gguf"]
     if _model_exists(config, builder):
         problems += model_problems(config, where)
@@ -100,8 +100,8 @@ def _model_exists(config: dict, builder) -> bool:
 def model_problems(config: dict, where: Where | None = None) -> list[Problem]:
     """The config against the checkpoint at model.path (config validated, defaults filled)."""
     where = where or Where()
-    engine = config["engine"]
-    checkpoint, problems = checkpoint_problems(config["model"]["path"], engine["load_format"])
+    engine = EngineSettings.from_config(config["engine"])
+    checkpoint, problems = checkpoint_problems(config["model"]["path"], engine.load_format)
     if checkpoint is None:
         return problems
     text = checkpoint.config
@@ -110,8 +110,8 @@ def model_problems(config: dict, where: Where | None = None) -> list[Problem]:
     problems += _captures(config, layers)
     problems += _sequence(config["sequence"], checkpoint)
     problems += _tensor_parallel(engine, text, where)
-    problems += _memory(config, checkpoint, where)
-    problems += _cpu_engine(config)
+    problems += _memory(config, engine, checkpoint, where)
+    problems += _cpu_engine(config, engine)
     problems += _vocabulary(config, text)
     return problems
 
@@ -202,10 +202,10 @@ def _sequence(sequence: dict, checkpoint: CheckpointFacts) -> list[Problem]:
     return problems
 
 
-def _tensor_parallel(engine: dict, text: dict, where: Where) -> list[Problem]:
+def _tensor_parallel(engine: EngineSettings, text: dict, where: Where) -> list[Problem]:
     """tensor_parallel_size against the model's attention heads and the GPUs the run may use."""
     problems = []
-    tp = engine["tensor_parallel_size"]
+    tp = engine.tensor_parallel_size
     heads = text.get("num_attention_heads")
     kv_heads = text.get("num_key_value_heads") if text.get("kv_lora_rank") is None else None  # MLA: no KV split
     splits = [d for d in range(1, (heads or 1) + 1) if heads and heads % d == 0]
@@ -218,8 +218,7 @@ def _tensor_parallel(engine: dict, text: dict, where: Where) -> list[Problem]:
                                 f"of the model's {kv_heads} key-value heads.",
                                 f"a divisor of {heads} that divides or is a multiple of {kv_heads}",
                                 "set engine.tensor_parallel_size accordingly."))
-    cuda = engine["device"] == "cuda"
-    per_job = tp if cuda else engine["cpu_job_gpus"]
+    cuda, per_job = engine.device == "cuda", engine.job_gpus
     key = "engine.tensor_parallel_size" if cuda else "engine.cpu_job_gpus"
     if where.local and where.gpus is not None and per_job > where.gpus:
         problems.append(Problem(key, f"{per_job} GPUs per extract job, but this run may use {where.gpus} "
@@ -260,9 +259,8 @@ def weights_fit(weight_gib: float, tp: int, gpu_gib: float, utilization: float) 
     return weight_gib / tp <= gpu_gib * utilization
 
 
-def _memory(config: dict, checkpoint: CheckpointFacts, where: Where) -> list[Problem]:
-    engine = config["engine"]
-    if engine["device"] != "cuda" or not where.local or not checkpoint.weight_bytes:
+def _memory(config: dict, engine: EngineSettings, checkpoint: CheckpointFacts, where: Where) -> list[Problem]:
+    if engine.device != "cuda" or not where.local or not checkpoint.weight_bytes:
         return []
     gpu_gib = gpu_memory_gib()
     if gpu_gib is None:
@@ -271,7 +269,7 @@ def _memory(config: dict, checkpoint: CheckpointFacts, where: Where) -> list[Pro
     wanted = config["model"]["dtype"] or ("float32" if stored == "float32" else "bfloat16")
     scale = BYTES.get(wanted, 2) / BYTES[stored] if stored in BYTES else 1.0  # quantized: as stored
     weight_gib = checkpoint.weight_bytes * scale / GIB
-    tp, utilization = engine["tensor_parallel_size"], engine["gpu_memory_utilization"]
+    tp, utilization = engine.tensor_parallel_size, engine.gpu_memory_utilization
     if weights_fit(weight_gib, tp, gpu_gib, utilization):
         return []
     need = next((n for n in (1, 2, 4, 8, 16) if weights_fit(weight_gib, n, gpu_gib, utilization)), None)
@@ -282,9 +280,9 @@ def _memory(config: dict, checkpoint: CheckpointFacts, where: Where) -> list[Pro
                     "raise engine.tensor_parallel_size (or gpu_memory_utilization), or use larger GPUs.")]
 
 
-def _cpu_engine(config: dict) -> list[Problem]:
+def _cpu_engine(config: dict, engine: EngineSettings) -> list[Problem]:
     """What vLLM-CPU would refuse or compute wrongly (eagle3data.model.info), before it loads the model."""
-    if config["engine"]["device"] != "cpu":
+    if engine.device != "cpu":
         return []
     from eagle3data.config.settings import capture_dtype
     from eagle3data.model.info import ModelConfigError, check_cpu_engine_support, cpu_attention_backend, read_model_info
@@ -300,9 +298,9 @@ def _cpu_engine(config: dict) -> list[Problem]:
                                 "run this model on GPU (engine.device: cuda), or give it a yarn rope."))
     dtype = config["model"]["dtype"] or capture_dtype(info.dtype)
     try:
-        cpu_attention_backend(info, dtype, config["engine"]["attention_backend"])
+        cpu_attention_backend(info, dtype, engine.attention_backend)
     except ModelConfigError:
-        problems.append(Problem("engine.attention_backend", f"{config['engine']['attention_backend']} cannot "
+        problems.append(Problem("engine.attention_backend", f"{engine.attention_backend} cannot "
                                 f"compute {info.model_type}'s MLA attention in {dtype} on vLLM-CPU.",
                                 "CPU_MLA, or null (chosen for the dtype)",
                                 "set engine.attention_backend: CPU_MLA or null, or model.dtype: bfloat16."))

@@ -12,7 +12,6 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 
 from eagle3data.storage.compression import Compression
-from eagle3data.config.check import ConfigError  # noqa: F401 (defined once, there; importable from here)
 from eagle3data.contracts.layers import capture_metadata, eagle3_captures, parse_captures
 from eagle3data.model.info import ModelInfo, check_expectations, read_model_info
 from eagle3data.contracts.states import Expected
@@ -21,7 +20,6 @@ from eagle3data.storage.store import Store, content_key
 from eagle3data.dataset import packed
 from eagle3data.exports.trainers import trainer_settings
 from eagle3data.utils.defaults import SCHEMA, section_defaults
-from eagle3data.utils.defaults import with_schema_defaults  # noqa: F401 (defined once, there; importable from here)
 
 RESULTS = Path("results")
 DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's generated draft config and speculators' --draft-vocab-size
@@ -129,6 +127,14 @@ def data_params(config: dict, loader: bool = True) -> dict:
     own unchanged keeps the runs it finished."""
     params = dict(model=config["model"], captures=config["captures"], sequence=config["sequence"])
     return {**params, "load_format": config["engine"]["load_format"]} if loader else params
+
+
+def regeneration_params(config: dict) -> dict:
+    """What shapes the regenerated answers, as the config states it: regenerate's params, so that a change
+    re-runs the job, which reuses the journal's answers of the same settings (their key holds them) and
+    generates the rest. The other engine settings are read at run time: changing them re-runs nothing."""
+    return dict(model=config["model"], max_seq_len=config["sequence"]["max_seq_len"],
+                load_format=config["engine"]["load_format"], settings=config["regenerate"])
 
 
 def packing_params(config: dict) -> dict:

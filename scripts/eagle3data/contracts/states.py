@@ -24,10 +24,18 @@ from dataclasses import dataclass
 import pandas as pd
 from safetensors import safe_open
 
-from eagle3data.contracts.dtypes import HEADER_NAMES
+from eagle3data.contracts.dtypes import HEADER_NAMES, ITEMSIZES
 from eagle3data.contracts.failures import validate
 from eagle3data.contracts.layers import Capture
-from eagle3data.contracts.schemas import BoundaryError, StatesFile, states_file_contract
+from eagle3data.contracts.schemas import (
+    BoundaryError,
+    SampleStates,
+    StatesFile,
+    StatesManifest,
+    sample_states_contract,
+    states_file_contract,
+    states_manifest_contract,
+)
 from eagle3data.storage.compression import FRAME_KEY, FRAME_TENSOR
 
 FACTS_KEY = "eagle3data.capture_facts"  # the safetensors metadata entry of `measuring.written_facts`
@@ -37,12 +45,34 @@ SLOT_FACTS = ("rows", "hidden_size", "nbytes", "nonfinite", "zero_fraction", "ze
 
 @dataclass(frozen=True)
 class Expected:
+    """What each states file of a run holds: these captures, slot by slot, each `hidden_size` wide in
+    `dtype`. Extract and validate judge files by it, pack reads them by it (from the dataset's metadata)."""
+
     captures: list[Capture]
     hidden_size: int
     dtype: str
 
+    @classmethod
+    def from_metadata(cls, meta: dict) -> Expected:
+        """The states a dataset's metadata (config.settings.Settings.dataset_metadata) says its rows hold."""
+        captures = [Capture(c["decoder_layer"], c["point"]) for c in meta["captures"]]
+        return cls(captures, meta["hidden_size"], meta["dtype"])
+
+    @property
+    def token_bytes(self) -> int:
+        """The raw state bytes of one token: every capture's values in the storage dtype."""
+        return len(self.captures) * self.hidden_size * ITEMSIZES[self.dtype]
+
     def file_contract(self) -> type[StatesFile]:
         return states_file_contract(len(self.captures), self.hidden_size, self.dtype)
+
+    def manifest_contract(self) -> type[StatesManifest]:
+        """A states manifest's rows (one a capture of a sample) of these states."""
+        return states_manifest_contract(self.hidden_size, self.dtype)
+
+    def samples_contract(self) -> type[SampleStates]:
+        """Each sample's captures in a manifest: exactly these, in slot order."""
+        return sample_states_contract(tuple(c.name for c in self.captures))
 
 
 def file_facts(sample_id: str, path: str, input_ids) -> dict:

@@ -52,7 +52,7 @@ import numpy as np
 import pyarrow as pa
 from isal import isal_zlib
 
-from eagle3data.contracts.dtypes import ITEMSIZES, STORAGE
+from eagle3data.contracts.dtypes import STORAGE
 from eagle3data.storage import compression
 
 from eagle3data.utils.logs import get_logger
@@ -134,11 +134,6 @@ def features(n_captures: int, hidden_size: int, dtype: str, compressed: bool = F
 def token_values(meta: dict) -> int:
     """State values a token of this dataset holds: its captures' hidden values."""
     return len(meta["captures"]) * meta["hidden_size"]
-
-
-def token_bytes(meta: dict) -> int:
-    """Raw state bytes a token of this dataset holds (its values in their storage dtype)."""
-    return token_values(meta) * ITEMSIZES[meta["dtype"]]
 
 
 def meta_features(meta: dict) -> datasets.Features:

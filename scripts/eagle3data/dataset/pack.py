@@ -60,9 +60,8 @@ from eagle3data.contracts.schemas import (
     check,
     entries_by_sample,
     sample_states,
-    sample_states_contract,
-    states_manifest_contract,
 )
+from eagle3data.contracts.states import Expected
 from eagle3data.contracts.reading import STORAGE, checksum, read_states
 from eagle3data.storage.room import DiskSpaceError
 from eagle3data.storage.store import Store, atomic_path, atomic_write_text, start_writeback
@@ -164,18 +163,18 @@ def _verified_states(sample_id: str, captures: list[ManifestEntry], out: np.ndar
                         f"pack again, or set {instead}")
 
 
-def _checked_shard(tok_path: str, states_path: str, quarantined_path: str, manifest_contract,
-                   captures_contract) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+def _checked_shard(tok_path: str, states_path: str, quarantined_path: str,
+                   expected: Expected) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """A shard's tables as validate left them, all checked before failing: (the tokenized samples to
     pack, their states manifest, the quarantined samples)."""
     tokenized, found = validate(TokenizedShard, pd.read_parquet(tok_path), tok_path)
     quarantined, bad = validate(SkippedShard, pd.read_parquet(quarantined_path), quarantined_path)
     found += bad
-    manifest, bad = validate(manifest_contract, pd.read_parquet(states_path), states_path)
+    manifest, bad = validate(expected.manifest_contract(), pd.read_parquet(states_path), states_path)
     found += bad
     tokenized = tokenized[~tokenized["sample_id"].isin(quarantined["sample_id"])]
     if not any(f.sample_id == "-" for f in found):  # every table has its columns
-        found += validate(captures_contract, sample_states(manifest, tokenized), states_path)[1]
+        found += validate(expected.samples_contract(), sample_states(manifest, tokenized), states_path)[1]
     if found:
         files = [tok_path, states_path, quarantined_path]
         raise BoundaryError(summary(f"pack: shard {tok_path} is not what validate left", found,
@@ -197,7 +196,7 @@ def _chunks(rows: list, max_rows: int, max_tokens: int):
 
 
 def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, dup_rows: list,
-                   batch_size: int, meta: dict, readers: ThreadPoolExecutor, compression: Compression | None):
+                   batch_size: int, expected: Expected, readers: ThreadPoolExecutor, compression: Compression | None):
     captures = entries_by_sample(manifest)
     rows = []
     for row in tokenized.itertuples(index=False):
@@ -207,11 +206,11 @@ def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, d
             continue
         seen.add(row.sample_id)
         rows.append(row)
-    storage = STORAGE[meta["dtype"]]
-    for chunk in _chunks(rows, batch_size, BATCH_BYTES // fmt.token_bytes(meta)):
+    storage = STORAGE[expected.dtype]
+    for chunk in _chunks(rows, batch_size, BATCH_BYTES // expected.token_bytes):
         lengths = [int(r.num_tokens) for r in chunk]
         # The batch's states in one buffer, each sample read straight into its place: nothing to concatenate.
-        states = np.empty((sum(lengths), len(meta["captures"]), meta["hidden_size"]), dtype=storage)
+        states = np.empty((sum(lengths), len(expected.captures), expected.hidden_size), dtype=storage)
         places = [states[end - length : end] for end, length in zip(itertools.accumulate(lengths), lengths)]
         # Each row's frame and the CRCs of the values it gives back (_verified_states proved it): those
         # validate recorded, or (fp8) those of the values read back.
@@ -228,7 +227,7 @@ def _shard_batches(tokenized: pd.DataFrame, manifest: pd.DataFrame, seen: set, d
             # One CRC of the very bytes the row stores (and of its captures' CRCs): what readers check first.
             fmt.STORED_CRC: [fmt.stored_crc(b, c) for b, c in zip(stored, crcs)],
             fmt.TOKENS_CRC: [fmt.tokens_crc(r.sample_id, r.input_ids, r.loss_mask, n) for r, n in zip(chunk, lengths)],
-        }, fmt.frames_array(frames) if compression else fmt.states_array(states, lengths, meta["dtype"])
+        }, fmt.frames_array(frames) if compression else fmt.states_array(states, lengths, expected.dtype)
 
 
 def run(job: PackJob) -> dict:
@@ -242,7 +241,7 @@ def run(job: PackJob) -> dict:
     for i, paths in enumerate(zip(job.tokenized, job.skipped, job.states, job.quarantined)):
         summaries.append(str(work / f"shard-{i:05d}.json"))
         pack_shard(ShardPackJob(*paths, duplicates, i, str(work / f"shard-{i:05d}.arrow"), summaries[-1],
-                                job.metadata, store, job.out_dir, job.counts_out, job.batch_size, job.threads))
+                                job.metadata, store, job.out_dir, job.batch_size, job.threads))
     counts = index(IndexJob(summaries, job.skipped, job.quarantined, job.out_dir, job.counts_out,
                             job.conversations_in, job.metadata))
     shutil.rmtree(work)
@@ -253,6 +252,7 @@ def pack_shard(job: ShardPackJob) -> dict:
     """One validated shard into one Arrow file (written under a temporary name, renamed when finished)
     and a summary of what it packed and what it recorded as duplicates."""
     meta = job.metadata
+    expected = Expected.from_metadata(meta)  # what each states file holds, as the dataset will say
     features = fmt.meta_features(meta)
     compression = None
     if fmt.is_compressed(meta):
@@ -260,10 +260,7 @@ def pack_shard(job: ShardPackJob) -> dict:
         compression = Compression.from_metadata(meta["compression"], 1)
     check_room([job.states], job.arrow, job.store, "the packed shard", job.dataset)
     began = time.perf_counter()
-    manifest_contract = states_manifest_contract(meta["hidden_size"], meta["dtype"])
-    captures_contract = sample_states_contract(tuple(c["name"] for c in meta["captures"]))
-    tokenized, manifest, quarantined = _checked_shard(job.tokenized, job.states, job.quarantined,
-                                                      manifest_contract, captures_contract)
+    tokenized, manifest, quarantined = _checked_shard(job.tokenized, job.states, job.quarantined, expected)
     seen, dup_rows = packed_earlier(job.duplicates, job.shard), []
     # Only what this shard packs: a duplicate stays with the earlier shard.
     job.store.ensure(tokenized.loc[~tokenized["sample_id"].isin(seen), "sample_id"])
@@ -276,7 +273,7 @@ def pack_shard(job: ShardPackJob) -> dict:
         # The next batch's files are read and verified in threads while this batch is written, and the
         # disk writes each batch back while the next is read: the file's fsync at the end finds little to
         # do (it took 1.1 of 4.7 s packing 1.9 GB here, the whole write-back).
-        batches = _shard_batches(tokenized, manifest, seen, dup_rows, job.batch_size, meta, readers, compression)
+        batches = _shard_batches(tokenized, manifest, seen, dup_rows, job.batch_size, expected, readers, compression)
         for columns, states in ahead(batches):
             batch = _record_batch(columns, states, features)
             writer.write_table(batch)
@@ -284,7 +281,7 @@ def pack_shard(job: ShardPackJob) -> dict:
             start_writeback(tmp)
             packed += batch.num_rows
             nbytes += batch.nbytes
-            raw += sum(columns["seq_len"]) * fmt.token_bytes(meta)
+            raw += sum(columns["seq_len"]) * expected.token_bytes
             del columns, states, batch  # before the next is read: two batches in memory at most
         writer.finalize()
         writer.close()
@@ -299,7 +296,7 @@ def pack_shard(job: ShardPackJob) -> dict:
         duplicates = {d["sample_id"] for d in dup_rows}  # packed by an earlier shard, maybe not yet
         validated = manifest[manifest["sample_id"].isin(duplicates)].sort_values("slot")
         held = held_elsewhere(job.store, validated.groupby("sample_id")["checksum"].agg(list).to_dict(),
-                              len(meta["captures"]), meta["hidden_size"])
+                              len(expected.captures), expected.hidden_size)
         dropped = job.store.drop((set(tokenized["sample_id"]) - duplicates) | set(held))
         logger.info("dropped %d states files from %s: %s holds them (storage.drop_packed_states)",
                     dropped, job.store.samples, job.arrow)

@@ -57,6 +57,11 @@ class EngineSettings:
         """From a validated `engine` section (the schema's defaults applied: every key present)."""
         return cls(**section)
 
+    @property
+    def job_gpus(self) -> int:
+        """The GPUs one extract or regenerate job claims: its engine's on CUDA, cpu_job_gpus on the CPU."""
+        return self.tensor_parallel_size if self.device == "cuda" else self.cpu_job_gpus
+
 
 def installed_vllm() -> tuple[str, str]:
     for dist in TESTED_VLLM:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from eagle3data.storage.room import GIB, gib
 from eagle3data.plan.shards import conversations_of
-from eagle3data.contracts.dtypes import ITEMSIZES
 from eagle3data.contracts.states import Expected
 
 HEADER_BYTES = 160  # safetensors length prefix + JSON header for the two tensors (152 measured)
@@ -33,8 +32,7 @@ class InputShape:
 
 def sample_bytes(num_tokens: int, expected: Expected) -> int:
     """Size on disk of one sample's states file (at most: the facts' JSON varies by a few bytes)."""
-    itemsize = ITEMSIZES[expected.dtype]
-    per_token = len(expected.captures) * expected.hidden_size * itemsize + TOKEN_ID_BYTES
+    per_token = expected.token_bytes + TOKEN_ID_BYTES
     return HEADER_BYTES + len(expected.captures) * FACTS_BYTES_PER_CAPTURE + num_tokens * per_token
 
 

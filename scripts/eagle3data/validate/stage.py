@@ -39,8 +39,6 @@ from eagle3data.contracts.schemas import (
     StatesManifest,
     extract_coverage,
     sample_states,
-    sample_states_contract,
-    states_manifest_contract,
     tokenized_contract,
 )
 from eagle3data.contracts.states import Expected, file_facts, header_facts
@@ -106,14 +104,11 @@ def _samples(job: ValidateJob, tokenized: pd.DataFrame, todo: pd.DataFrame) -> t
                 " (validation.read_states)" if job.read_states else "")
     if to_measure:  # torch is imported only then: a job that judges headers alone starts without it
         rows += _measured(to_measure, expected, job.threads)
-    contract = states_manifest_contract(expected.hidden_size, expected.dtype)
-    manifest, bad = validate(contract, pd.DataFrame(rows, columns=list(StatesManifest.to_schema().columns)),
-                             job.extract_manifest)
+    manifest, bad = validate(expected.manifest_contract(),
+                             pd.DataFrame(rows, columns=list(StatesManifest.to_schema().columns)), job.extract_manifest)
     found += bad
-    names = tuple(c.name for c in expected.captures)
     covered = tokenized[tokenized["sample_id"].isin(set(files["sample_id"]) - failed)]
-    per_sample = sample_states(manifest, covered)
-    found += validate(sample_states_contract(names), per_sample, job.extract_manifest)[1]
+    found += validate(expected.samples_contract(), sample_states(manifest, covered), job.extract_manifest)[1]
     return manifest, found
 
 
