@@ -12,7 +12,7 @@ if __name__ == "__main__":
     # This job's GPUs, before anything starts CUDA; an idle capturing engine of this user holding them
     # is stopped, nothing else (engine/pool.py).
     start_job(sm.resources.gpu, claimed=claim_gpus(sm.resources.gpu))
-    from eagle3data.regenerate.stage import RegenerateJob, run
+    from eagle3data.regenerate.stage import RegenerateJob, RegenerateSettings, run
     from eagle3data.config.settings import Settings
 
     settings = Settings(dict(sm.config))
@@ -29,7 +29,7 @@ if __name__ == "__main__":
             dtype=settings.dtype,
             max_seq_len=sm.params.max_seq_len,
             engine=settings.engine,  # read at run time: engine settings do not change the data
-            settings=dict(sm.params.settings),
+            settings=RegenerateSettings.from_config(sm.params.settings),
             chat_template_kwargs=dict(sm.params.model["chat_template_kwargs"]),
         )
     )

@@ -135,3 +135,17 @@ def test_snakemake_prints_a_short_error(tmp_path: Path) -> None:
     assert run.returncode != 0, output
     assert len(output.splitlines()) <= 25, output
     assert "unknown key shard_sise" in output and "Did you mean shard_size" in output
+
+
+def test_each_typed_section_has_one_field_per_schema_key():
+    """The stages read these sections as attributes: a key the schema gains or loses changes the class too."""
+    import dataclasses
+
+    from eagle3data.engine.start import EngineSettings
+    from eagle3data.regenerate.stage import RegenerateSettings
+    from eagle3data.validate.parity import ParitySettings
+
+    schema = yaml.safe_load(SCHEMA.read_text())["properties"]
+    for section in (EngineSettings, ParitySettings, RegenerateSettings):
+        assert [f.name for f in dataclasses.fields(section)] == list(schema[section.NAME]["properties"]), section
+        assert section.with_defaults().NAME == section.NAME  # every key has a default: tools build it so

@@ -12,7 +12,7 @@ from eagle3data.engine import start as engine_mod
 from eagle3data.engine import pool as engine_pool
 from eagle3data.contracts.layers import eagle3_captures, parse_captures
 from eagle3data.model.info import read_model_info
-from eagle3data.config.settings import engine_config
+from eagle3data.engine.start import EngineSettings
 from eagle3data.storage.store import sample_path
 from eagle3bench.synthetic import random_prompts
 
@@ -42,7 +42,7 @@ def generated(engine: engine_pool.RemoteEngine, batch: tuple[list, list[str]]) -
 def test_the_next_job_takes_the_engine_loaded_once_the_last_one_hands_it_back(tiny_deepseek, tmp_path):
     layers = read_model_info(tiny_deepseek).num_hidden_layers
     captures = parse_captures(eagle3_captures(layers), layers)
-    engine = engine_config({"device": "cpu", "keep_alive_s": 60})
+    engine = EngineSettings.with_defaults({"device": "cpu", "keep_alive_s": 60})
     store = tmp_path / "store"
     kwargs = engine_mod.engine_kwargs(str(tiny_deepseek), captures, "bfloat16", 512, engine, False, str(store))
     key = engine_pool.engine_key(kwargs, engine.cpu_kv_cache_gib)

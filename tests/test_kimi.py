@@ -37,7 +37,7 @@ from eagle3data.model.demo import tiny_deepseek_v3_config
 from eagle3data.contracts.layers import parse_captures
 from eagle3data.model.info import (ModelConfigError, check_cpu_engine_support, cpu_attention_backend,
                                    read_model_info)
-from eagle3data.config.settings import engine_config
+from eagle3data.engine.start import EngineSettings
 from eagle3data.model.shapes import TOKENIZER_FILES
 from eagle3data.contracts.states import Expected
 from eagle3data.inputs.tokenization import tokenize_conversation, tokenize_records
@@ -380,12 +380,11 @@ UNGUARDED_RUNNER = textwrap.dedent(
     from eagle3data.engine import start as engine
     from eagle3bench import crosscheck
     from eagle3data.contracts.layers import parse_captures
-    from eagle3data.config.settings import engine_config
 
     if __name__ == "__main__":
         model, store, captures = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
         caps = parse_captures(captures, 8)
-        settings = engine_config({"device": "cpu", "attention_backend": "CPU_MLA", "cpu_kv_cache_gib": 1,
+        settings = EngineSettings.with_defaults({"device": "cpu", "attention_backend": "CPU_MLA", "cpu_kv_cache_gib": 1,
                                   "max_num_batched_tokens": 1024})
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
@@ -444,7 +443,7 @@ def test_float32_mla_on_cpu_gets_cpu_mla_and_a_backend_that_cannot_compute_it_is
         assert f"engine.attention_backend: {requested} cannot run" in message and "float32" in message
         assert "Set engine.attention_backend: CPU_MLA" in message and "model.dtype: bfloat16" in message
     kwargs = engine.engine_kwargs(str(tiny_deepseek), parse_captures(DEMO_CAPTURES, 8), "float32", 256,
-                                  engine_config({"device": "cpu"}), False, "/unused")
+                                  EngineSettings.with_defaults({"device": "cpu"}), False, "/unused")
     chosen = engine.cpu_engine_kwargs(kwargs)
     assert (chosen["attention_backend"], chosen["max_num_seqs"]) == ("CPU_MLA", 1)  # 1: it captures
     generating = {k: v for k, v in kwargs.items() if k not in ("speculative_config", "kv_transfer_config")}
@@ -495,7 +494,7 @@ def test_extract_refuses_to_start_when_the_disk_lacks_room(tiny_deepseek, tmp_pa
     expected = Expected(parse_captures(DEMO_CAPTURES, 8), info.hidden_size, "bfloat16")
     job = ExtractJob(str(tmp_path / "shard.parquet"), str(tmp_path / "m.parquet"), str(tmp_path / "s.json"),
                      Store.at(tmp_path / "store", check_free_space=True, reserve_gib=1e9), str(tiny_deepseek), False,
-                     expected, 512, engine_config({"device": "cpu"}))
+                     expected, 512, EngineSettings.with_defaults({"device": "cpu"}))
     with pytest.raises(room.DiskSpaceError) as err:
         run(job)
     message = str(err.value)

@@ -12,12 +12,12 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import demo_config, run_snakemake, with_defaults
+from conftest import run_snakemake
 from eagle3data.contracts.layers import eagle3_captures, parse_captures
 from eagle3data.contracts.measuring import facts_header, load_stored, save_states
 from eagle3data.model.info import read_model_info
 from eagle3data.model.weights import read_final_norm
-from eagle3data.validate.parity import ParityFailure, ParityJob, gate
+from eagle3data.validate.parity import ParityFailure, ParityJob, ParitySettings, gate
 
 
 def witnessed(run: Path, shard: str = "00000") -> tuple[list[tuple[str, str]], dict[str, list[float]]]:
@@ -32,7 +32,7 @@ def parity_job(model: Path, samples: list[tuple[str, str]], log_probs: dict) -> 
     layers = read_model_info(model).num_hidden_layers
     return ParityJob(shard="00000", model_path=str(model), trust_remote_code=False,
                      captures=parse_captures(eagle3_captures(layers), layers), num_hidden_layers=layers,
-                     settings=with_defaults(demo_config())["parity"], samples=samples, log_probs=log_probs)
+                     settings=ParitySettings.with_defaults(), samples=samples, log_probs=log_probs)
 
 
 def planted(path: Path, states: torch.Tensor, token_ids: torch.Tensor) -> str:

@@ -330,7 +330,7 @@ def test_the_real_model_passes_the_parity_gate_and_a_post_norm_final_state_fails
     for one), unlike on the demo, whose final norm weights are all 1."""
     from eagle3data.contracts.measuring import facts_header, load_stored, save_states
     from eagle3data.model.weights import read_final_norm
-    from eagle3data.validate.parity import ParityFailure, ParityJob, gate
+    from eagle3data.validate.parity import ParityFailure, ParityJob, ParitySettings, gate
 
     verdicts = [json.loads(p.read_text()) for p in sorted((smollm2_run / "validated").glob("*.parity.json"))]
     assert verdicts and all(v["ok"] and v["reference"]["layers"] == 30 for v in verdicts), verdicts
@@ -345,7 +345,7 @@ def test_the_real_model_passes_the_parity_gate_and_a_post_norm_final_state_fails
     states[:, -1] = read_final_norm(smollm2)(states[:, -1])
     planted = tmp_path / "post-norm.safetensors"
     save_states(str(planted), states, stored["token_ids"], facts_header(states))
-    settings = {**with_defaults(smollm2_config(smollm2))["parity"], "reference_memory_gib": 0}
+    settings = ParitySettings.from_config({**with_defaults(smollm2_config(smollm2))["parity"], "reference_memory_gib": 0})
     job = ParityJob(shard="00000", model_path=str(smollm2), trust_remote_code=False, captures=CAPTURES,
                     num_hidden_layers=30, settings=settings, samples=[(sample, str(planted))],
                     log_probs=stats["parity_log_probs"])

@@ -19,10 +19,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import REPO, SNAKEMAKE, run_snakemake, with_defaults
-from eagle3data.config.settings import engine_config
+from conftest import REPO, SNAKEMAKE, run_snakemake
+from eagle3data.engine.start import EngineSettings
 from eagle3data.regenerate.journal import Journal, JournalError
-from eagle3data.regenerate.stage import RegenerateJob, Regenerator, plan
+from eagle3data.regenerate.stage import RegenerateJob, RegenerateSettings, Regenerator, plan
 from eagle3data.utils import faults
 
 RUN = "regen"
@@ -192,11 +192,10 @@ def test_turns_past_the_model_length_end_the_conversation_or_fail_it(smollm2, tm
     would cut it there); a first turn that does not fit is an error (prompt_too_long), journaled."""
     from transformers import AutoTokenizer
 
-    settings = with_defaults({"input": "-", "model": {"path": "-"}, "captures": [{"layer": 2, "point": "input"}],
-                              "regenerate": {"enabled": True, "turns": "all"}})["regenerate"]
+    settings = RegenerateSettings.with_defaults({"enabled": True, "turns": "all"})
     job = RegenerateJob(conversations="-", rows=(0, 1), out="-", responses="-", stats="-", journal="-",
                         model_path=str(smollm2), trust_remote_code=False, dtype="float32", max_seq_len=56,
-                        engine=engine_config({"load_format": "auto"}), settings=settings)
+                        engine=EngineSettings.with_defaults({"load_format": "auto"}), settings=settings)
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     regen = Regenerator(job, tokenizer, Journal(tmp_path / "journal.jsonl"), max_model_len=64)
     conv = plan(0, ROWS[2], "all", tokenizer)  # system, user, assistant, user, assistant

@@ -37,12 +37,12 @@ RUNNER = textwrap.dedent(
     from eagle3data.engine import start as engine
     from eagle3bench.synthetic import random_prompts
     from eagle3data.contracts.layers import parse_captures
-    from eagle3data.config.settings import engine_config
+    from eagle3data.engine.start import EngineSettings
 
     if __name__ == "__main__":
         model, out, how, captures, arrangements = sys.argv[1], Path(sys.argv[2]), sys.argv[3], \\
             json.loads(sys.argv[4]), json.loads(sys.argv[5])
-        settings = engine_config({"device": "cpu", "cpu_kv_cache_gib": 1, "max_num_batched_tokens": 1024,
+        settings = EngineSettings.with_defaults({"device": "cpu", "cpu_kv_cache_gib": 1, "max_num_batched_tokens": 1024,
                                   "max_num_seqs": 16})
         kwargs = engine.engine_kwargs(model, parse_captures(captures, 8), "bfloat16", 512, settings, False,
                                       str(out))

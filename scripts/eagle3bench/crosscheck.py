@@ -82,7 +82,7 @@ def parse_engine_args(items: list[str]) -> dict:
 def main() -> None:
     from eagle3data.capture.extract import ExtractJob, run_alone
     from eagle3data.model.info import read_model_info
-    from eagle3data.config.settings import engine_config
+    from eagle3data.engine.start import EngineSettings
     from eagle3data.contracts.states import Expected
     from eagle3data.storage.store import Store
     from eagle3bench.synthetic import random_prompts, write_token_shard
@@ -112,7 +112,7 @@ def main() -> None:
 
     work = Path(args.work)
     write_token_shard(str(work / "shard.parquet"), prompts)
-    engine = engine_config({"device": args.device, **parse_engine_args(args.engine)})
+    engine = EngineSettings.with_defaults({"device": args.device, **parse_engine_args(args.engine)})
     job = ExtractJob(str(work / "shard.parquet"), str(work / "manifest.parquet"), str(work / "stats.json"),
                      Store.at(work / "store"), args.model, False, Expected(captures, info.hidden_size, args.dtype),
                      args.tokens, engine)

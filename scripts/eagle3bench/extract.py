@@ -241,14 +241,14 @@ def store_write_rate(args, captures, hidden_size: int, threads: int) -> dict:
 def run_phase(args) -> dict:
     from eagle3data.contracts.layers import parse_captures
     from eagle3data.model.info import read_model_info
-    from eagle3data.config.settings import engine_config
+    from eagle3data.engine.start import EngineSettings
     from eagle3bench.synthetic import random_prompts
 
     if args.phase == "matmul":
         return matmul_flops(args.device, args.matmul_size)
     info = read_model_info(args.model)
     captures = parse_captures(args.captures, info.num_hidden_layers)
-    engine = engine_config({"device": args.device, **parse_engine_args(args.engine)})
+    engine = EngineSettings.with_defaults({"device": args.device, **parse_engine_args(args.engine)})
     if args.phase == "write":
         return store_write_rate(args, captures, info.hidden_size, engine.writer_threads)
     prompts = random_prompts(args.prompts, args.tokens, min(info.vocab_size, 30000), seed=7)

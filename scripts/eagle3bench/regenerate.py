@@ -29,18 +29,8 @@ from eagle3bench.crosscheck import parse_engine_args
 from eagle3data.inputs.conversations import count_conversations, read_shard
 from eagle3data.engine.start import start_engine
 from eagle3data.regenerate.journal import Journal
-from eagle3data.regenerate.stage import RegenerateJob, Regenerator, engine_settings, plan, run
-from eagle3data.config.settings import engine_config
-
-
-def regenerate_settings(overrides: dict, schema: str | Path = "config/schema.yaml") -> dict:
-    """The `regenerate` section with `overrides`, completed with the schema's defaults."""
-    from snakemake.utils import validate
-
-    config = {"input": "-", "model": {"path": "-"}, "captures": [{"layer": 1, "point": "input"}],
-              "regenerate": {"enabled": True, **overrides}}
-    validate(config, str(schema), set_default=True)
-    return config["regenerate"]
+from eagle3data.engine.start import EngineSettings
+from eagle3data.regenerate.stage import RegenerateJob, RegenerateSettings, Regenerator, engine_settings, plan, run
 
 
 def bare_requests(job: RegenerateJob, max_model_len: int) -> tuple[list, list]:
@@ -73,14 +63,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", help="write the measurements here as JSON")
     args = parser.parse_args(argv)
 
-    engine = engine_config({"device": args.device, **parse_engine_args(args.engine)})
+    engine = EngineSettings.with_defaults({"device": args.device, **parse_engine_args(args.engine)})
     work = Path(tempfile.mkdtemp(prefix="bench-regenerate-"))
     job = RegenerateJob(
         conversations=args.conversations, rows=(0, count_conversations(args.conversations)),
         out="", responses="", stats="", journal="", model_path=args.model, trust_remote_code=False,
         dtype=args.dtype, max_seq_len=args.max_seq_len, engine=engine,
-        settings=regenerate_settings({"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                                      "truncated": "keep"}),
+        settings=RegenerateSettings.with_defaults({"enabled": True, "max_new_tokens": args.max_new_tokens,
+                                                   "temperature": args.temperature, "truncated": "keep"}),
     )
     kwargs = engine_settings(job)
     prompts, params = bare_requests(job, kwargs["max_model_len"])

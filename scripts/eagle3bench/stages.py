@@ -24,7 +24,7 @@ import yaml
 
 from eagle3data.utils.checkout import REPO
 from eagle3data.inputs.conversations import normalize_messages
-from eagle3data.config.settings import engine_config
+from eagle3data.engine.start import EngineSettings
 from eagle3data.inputs.tokenization import tokenize_shard
 
 DEMO = REPO / "data" / "demo" / "conversations.jsonl"
@@ -185,7 +185,7 @@ def measure_end_to_end(work: Path, model: str, conversations: int, engine: dict,
         transport_peak.start()
     # As a user runs it: --resources gpu=N, here N = the engine's GPUs x jobs_per_engine (README, "The
     # model loads once per node": jobs beyond the GPUs queue for the engine).
-    tensor_parallel = engine_config(config["engine"], REPO / "config" / "schema.yaml").tensor_parallel_size
+    tensor_parallel = EngineSettings.with_defaults(config["engine"], REPO / "config" / "schema.yaml").tensor_parallel_size
     budget = tensor_parallel * jobs_per_engine  # (the demo config leaves the size to the schema's default)
     gpus = ["--resources", f"gpu={budget}"] if engine["device"] == "cuda" else []
     seconds, proc = snakemake(work, work / "config.yaml", "--cores", str(cores), *gpus)

@@ -47,7 +47,7 @@ def _parity_job(sm, settings: Settings):
     """The validate job's parity gate (validate/parity.py), its samples left to fill; None when off."""
     if not sm.params.parity["enabled"]:
         return None
-    from eagle3data.validate.parity import ParityJob
+    from eagle3data.validate.parity import ParityJob, ParitySettings
 
     stats = json.loads(Path(sm.input.stats).read_text())
     return ParityJob(
@@ -56,7 +56,7 @@ def _parity_job(sm, settings: Settings):
         trust_remote_code=sm.params.model["trust_remote_code"],
         captures=settings.expected.captures,
         num_hidden_layers=settings.model.num_hidden_layers,
-        settings=dict(sm.params.parity),
+        settings=ParitySettings.from_config(sm.params.parity),
         samples=[],
         log_probs=stats.get("parity_log_probs", {}),
     )

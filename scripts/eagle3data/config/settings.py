@@ -19,7 +19,6 @@ from eagle3data.engine.start import EngineSettings
 from eagle3data.storage.store import Store, content_key
 from eagle3data.dataset import packed
 from eagle3data.exports.trainers import trainer_settings
-from eagle3data.utils.defaults import SCHEMA, section_defaults
 
 RESULTS = Path("results")
 DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's generated draft config and speculators' --draft-vocab-size
@@ -170,8 +169,3 @@ def _versions() -> dict:
         except importlib_metadata.PackageNotFoundError:
             continue
     return versions
-
-
-def engine_config(overrides: dict, schema: str | Path = SCHEMA) -> EngineSettings:
-    """The `engine` section with `overrides`, completed with the schema's defaults (for the CLI tools)."""
-    return EngineSettings.from_config(section_defaults("engine", overrides, schema))

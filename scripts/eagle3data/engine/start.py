@@ -10,12 +10,12 @@ sample's states then depend on its tokens alone, not on which requests timing pu
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
 
 from eagle3data.contracts.layers import Capture, vllm_aux_layer_ids
 from eagle3data.engine.cpu_threads import bind_threads
+from eagle3data.utils.defaults import Section
 from eagle3data.utils.logs import get_logger
 from eagle3data.model.info import check_cpu_engine_support, cpu_attention_backend, read_model_info
 
@@ -31,10 +31,10 @@ class EngineError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class EngineSettings:
-    """The config's `engine` section, typed: one field per key (config/schema.yaml describes each), built
-    once from the validated config (`config.settings.Settings.engine`) and read as attributes by the
-    stages."""
+class EngineSettings(Section):
+    """The config's `engine` section, typed (`config.settings.Settings.engine` builds the run's once)."""
+
+    NAME = "engine"
 
     device: str | None
     tensor_parallel_size: int
@@ -51,11 +51,6 @@ class EngineSettings:
     keep_alive_s: float
     writer_threads: int
     host_buffer_gib: float
-
-    @classmethod
-    def from_config(cls, section: Mapping) -> EngineSettings:
-        """From a validated `engine` section (the schema's defaults applied: every key present)."""
-        return cls(**section)
 
     @property
     def job_gpus(self) -> int:

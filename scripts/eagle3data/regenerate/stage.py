@@ -18,6 +18,7 @@ reconcile: conversations in = regenerated + kept original + skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -29,6 +30,7 @@ from tqdm import tqdm
 from eagle3data.engine import start as engine_mod
 from eagle3data.inputs.conversations import UnsupportedInput, normalize, read_shard, sample_id
 from eagle3data.regenerate.journal import Journal
+from eagle3data.utils.defaults import Section
 from eagle3data.utils.logs import get_logger
 from eagle3data.model.info import read_model_info
 from eagle3data.regenerate.replies import ReplyParser
@@ -44,6 +46,25 @@ RESPONSE_COLUMNS = ["source_row", "turn", "message_index", "finish_reason", "tok
                     "origin", "error"]
 
 
+@dataclass(frozen=True)
+class RegenerateSettings(Section):
+    """The config's `regenerate` section, typed."""
+
+    NAME = "regenerate"
+
+    enabled: bool
+    turns: str
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    reasoning_parser: str | None
+    think_markers: list[str]
+    tool_parser: str | None
+    truncated: str
+    keep_original_on_failure: bool
+
+
 @dataclass
 class RegenerateJob:
     conversations: str  # the input file; rows [start, stop) are this shard
@@ -57,7 +78,7 @@ class RegenerateJob:
     dtype: str
     max_seq_len: int
     engine: engine_mod.EngineSettings
-    settings: dict  # the config's `regenerate` section
+    settings: RegenerateSettings
     chat_template_kwargs: dict = field(default_factory=dict)  # config `model.chat_template_kwargs`
 
 
@@ -116,13 +137,13 @@ class Regenerator:
     def __init__(self, job: RegenerateJob, tokenizer, journal: Journal, max_model_len: int):
         self.settings, self.tokenizer, self.journal = job.settings, tokenizer, journal
         self.max_model_len = max_model_len
-        self.parser = ReplyParser(tokenizer, job.settings["reasoning_parser"], job.settings["tool_parser"],
-                                  tuple(job.settings["think_markers"]))
+        self.parser = ReplyParser(tokenizer, job.settings.reasoning_parser, job.settings.tool_parser,
+                                  tuple(job.settings.think_markers))
         self.shape = dict(  # everything besides the prompt that shapes a response
             model=read_model_info(job.model_path).identity, dtype=job.dtype,
             # random weights answer otherwise; every other loader loads the same weights
             load_format="dummy" if job.engine.load_format == "dummy" else "auto", max_model_len=max_model_len,
-            **{k: job.settings[k] for k in ("temperature", "top_p", "seed", "max_new_tokens")},
+            **{k: getattr(job.settings, k) for k in ("temperature", "top_p", "seed", "max_new_tokens")},
         )
         self.turns: list[dict] = []
 
@@ -144,7 +165,7 @@ class Regenerator:
             if key in self.journal.entries:
                 self.apply(conv, self.journal.entries[key], "reused")
                 continue
-            max_tokens = min(self.settings["max_new_tokens"], self.max_model_len - len(ids))
+            max_tokens = min(self.settings.max_new_tokens, self.max_model_len - len(ids))
             if max_tokens < 1 and conv.done > 0:  # earlier turns fill the model length: tokenize would
                 conv.messages = conv.messages[: conv.positions[conv.done]]  # cut the conversation here
                 del conv.positions[conv.done:], conv.tokens_before[conv.done:]
@@ -161,7 +182,7 @@ class Regenerator:
 
         # Per-request seeds: a response does not depend on what else is in the batch, or on a resume.
         # Special tokens stay in the text: think and tool-call markers are special in some vocabularies.
-        return SamplingParams(temperature=self.settings["temperature"], top_p=self.settings["top_p"],
+        return SamplingParams(temperature=self.settings.temperature, top_p=self.settings.top_p,
                               seed=int(request.key[:8], 16), max_tokens=request.max_tokens,
                               skip_special_tokens=False)
 
@@ -180,7 +201,7 @@ class Regenerator:
         if entry["finish_reason"] == "error":
             conv.stop = f"regenerate_error: turn {conv.done - 1}: {entry['error']}"
             return
-        if entry["finish_reason"] == "length" and self.settings["truncated"] == "drop":
+        if entry["finish_reason"] == "length" and self.settings.truncated == "drop":
             conv.stop = (f"regenerate_truncated: turn {conv.done - 1} was cut at "
                          f"{entry['num_tokens']} new tokens (regenerate.truncated: drop)")
             return
@@ -254,7 +275,7 @@ def run(job: RegenerateJob, llm=None) -> dict:
         job.chat_template_kwargs)
     kwargs = engine_settings(job)
     start, stop = job.rows
-    conversations = [plan(row["source_row"], json.loads(row["record"]), job.settings["turns"], tokenizer)
+    conversations = [plan(row["source_row"], json.loads(row["record"]), job.settings.turns, tokenizer)
                      for row in read_shard(job.conversations, start, stop)]
     journal = Journal(job.journal)
     regen = Regenerator(job, tokenizer, journal, kwargs["max_model_len"])
@@ -291,7 +312,7 @@ def write_outputs(job: RegenerateJob, conversations: list[Rewrite], turns: list[
     with atomic_path(job.out) as tmp, open(tmp, "w") as f:
         for conv in conversations:
             keep_original = conv.pass_reason or (conv.stop and conv.stop.startswith("regenerate_error")
-                                                 and job.settings["keep_original_on_failure"])
+                                                 and job.settings.keep_original_on_failure)
             if keep_original:
                 reason = (conv.pass_reason or conv.stop).split(":")[0]
                 original_reasons[reason] = original_reasons.get(reason, 0) + 1
@@ -318,5 +339,5 @@ def write_outputs(job: RegenerateJob, conversations: list[Rewrite], turns: list[
         "finish_reasons": {k: int(v) for k, v in table["finish_reason"].value_counts().items()},
         "truncated": int((table["finish_reason"] == "length").sum()),
         "skipped_rows": skipped,
-        "settings": job.settings,
+        "settings": dataclasses.asdict(job.settings),
     }

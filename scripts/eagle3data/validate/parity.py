@@ -38,6 +38,7 @@ from eagle3data.contracts.layers import Capture
 from eagle3data.contracts.measuring import load_stored
 from eagle3data.model import weights
 from eagle3data.plan.shards import spread
+from eagle3data.utils.defaults import Section
 from eagle3data.utils.logs import get_logger
 
 logger = get_logger(__name__)
@@ -54,6 +55,20 @@ class ParityFailure(BoundaryError):
     pass
 
 
+@dataclass(frozen=True)
+class ParitySettings(Section):
+    """The config's `parity` section, typed."""
+
+    NAME = "parity"
+
+    enabled: bool
+    samples_per_shard: int
+    max_log_prob_error: dict  # {"median": ..., "max": ...}
+    max_state_error: float
+    reference_shards: int
+    reference_memory_gib: float
+
+
 @dataclass
 class ParityJob:
     shard: str
@@ -61,7 +76,7 @@ class ParityJob:
     trust_remote_code: bool
     captures: list[Capture]
     num_hidden_layers: int
-    settings: dict  # the config's `parity` section
+    settings: ParitySettings
     samples: list[tuple[str, str]]  # (sample id, states file) of the shard's validated samples
     log_probs: dict[str, list[float]]  # the engine's, per sample it returned them for
 
@@ -88,7 +103,7 @@ def gate(job: ParityJob) -> dict:
 def _chosen(job: ParityJob) -> list[tuple[str, str]]:
     """The samples the engine returned log-probabilities for, else samples spread over the shard."""
     witnessed = [(s, p) for s, p in job.samples if s in job.log_probs]
-    return witnessed or spread(job.samples, job.settings["samples_per_shard"])
+    return witnessed or spread(job.samples, job.settings.samples_per_shard)
 
 
 def _final_capture(job: ParityJob, witnesses: dict[str, dict]) -> dict:
@@ -105,7 +120,7 @@ def _final_capture(job: ParityJob, witnesses: dict[str, dict]) -> dict:
     except weights.NotRMSNorm as exc:
         return {"status": "not run", "why": f"the final norm: {exc}"}
     head_name, head = weights.output_head(job.model_path, files)
-    tolerance = job.settings["max_log_prob_error"]
+    tolerance = job.settings.max_log_prob_error
     rows = []
     for sample_id, stored in witnesses.items():
         ids = stored["token_ids"].tolist()
@@ -138,13 +153,13 @@ def next_token_log_probs(final: torch.Tensor, next_ids: list[int], norm: weights
 
 
 def _reference(job: ParityJob, witnesses: dict[str, dict]) -> dict:
-    if int(job.shard) >= job.settings["reference_shards"]:
-        return {"status": "first shards only", "why": f"parity.reference_shards: {job.settings['reference_shards']}"}
+    if int(job.shard) >= job.settings.reference_shards:
+        return {"status": "first shards only", "why": f"parity.reference_shards: {job.settings.reference_shards}"}
     layers, need, first = weights.reference_layers(job.model_path, [c.stream_index for c in job.captures],
-                                                   job.settings["reference_memory_gib"] * GIB)
+                                                   job.settings.reference_memory_gib * GIB)
     if not layers:
         return {"status": "not run", "why": f"the first capture needs {first / GIB:.1f} GiB in float32, "
-                f"parity.reference_memory_gib is {job.settings['reference_memory_gib']}"}
+                f"parity.reference_memory_gib is {job.settings.reference_memory_gib}"}
     from eagle3data.model import reference
 
     loading = time.perf_counter()
@@ -163,9 +178,9 @@ def _reference(job: ParityJob, witnesses: dict[str, dict]) -> dict:
             median = float(error.median())
             nearest = min(expected, key=lambda s: float(token_errors(found, expected[s]).median()))
             rows.append({"sample": sample_id, "capture": capture.name, "median": round(median, 5),
-                         "nearest_stream": nearest, "ok": median <= job.settings["max_state_error"]})
+                         "nearest_stream": nearest, "ok": median <= job.settings.max_state_error})
     return {"status": "run", "layers": layers, "of": job.num_hidden_layers, "memory_gib": round(need / GIB, 3),
-            "tolerance": job.settings["max_state_error"], "load_seconds": round(load_seconds, 3), "rows": rows}
+            "tolerance": job.settings.max_state_error, "load_seconds": round(load_seconds, 3), "rows": rows}
 
 
 def token_errors(found: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
@@ -176,7 +191,7 @@ def token_errors(found: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
 def _screen(job: ParityJob, failures: list[dict]) -> str:
     lines = [f"parity gate of shard {job.shard} failed: its states are not the checkpoint's ({job.model_path}) "
              "for these tokens; nothing from this shard is packed"]
-    tolerance = job.settings["max_log_prob_error"]
+    tolerance = job.settings.max_log_prob_error
     for row in failures:
         where = f"  sample {row['sample']}, capture {row['capture']}: "
         if "problem" in row:
@@ -187,7 +202,7 @@ def _screen(job: ParityJob, failures: list[dict]) -> str:
                          f"to {row['max']:.3g} at token {row['max_at_token']} (allowed {tolerance['max']})")
         else:
             lines.append(where + f"differs from transformers' float32 forward by a median {row['median']:.3g} of "
-                         f"its size per token (allowed {job.settings['max_state_error']}); nearest reference: "
+                         f"its size per token (allowed {job.settings.max_state_error}); nearest reference: "
                          f"the stream after {row['nearest_stream']} decoder layers")
     lines.append("Causes: a capture at the wrong layer or after the final norm, states shifted against the "
                  "token ids, another request's states. What each check means: docs/output-format.md, "
