@@ -384,8 +384,8 @@ UNGUARDED_RUNNER = textwrap.dedent(
     if __name__ == "__main__":
         model, store, captures = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
         caps = parse_captures(captures, 8)
-        settings = EngineSettings.with_defaults({"device": "cpu", "attention_backend": "CPU_MLA", "cpu_kv_cache_gib": 1,
-                                  "max_num_batched_tokens": 1024})
+        settings = engine.EngineSettings.with_defaults({"device": "cpu", "attention_backend": "CPU_MLA", "cpu_kv_cache_gib": 1,
+                                         "max_num_batched_tokens": 1024})
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
         llm = LLM(**engine.engine_kwargs(model, caps, "float32", 256, settings, False, str(store)))

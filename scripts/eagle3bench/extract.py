@@ -241,7 +241,6 @@ def store_write_rate(args, captures, hidden_size: int, threads: int) -> dict:
 def run_phase(args) -> dict:
     from eagle3data.contracts.layers import parse_captures
     from eagle3data.model.info import read_model_info
-    from eagle3data.engine.start import EngineSettings
     from eagle3bench.synthetic import random_prompts
 
     if args.phase == "matmul":
