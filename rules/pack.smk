@@ -23,8 +23,8 @@ rule pack_shard:
     threads: config["storage"]["compression"]["threads"]
     params:
         **PACKING_PARAMS,
-        # rule pack's dataset (named when a packed-again shard finds no room beside the one its links
-        # keep); with its counts file, a params set that runs packed before keep
+        # Rule pack's outputs: the dataset is named when a shard packed again finds no room beside the
+        # file the dataset still links; both stay params so that runs packed before keep their params.
         dataset=f"{RUN_DIR}/dataset",
         counts=f"{RUN_DIR}/dataset.counts.json",
     message:

@@ -27,9 +27,8 @@ import pandas as pd
 
 from eagle3bench.crosscheck import parse_engine_args
 from eagle3data.inputs.conversations import count_conversations, read_shard
-from eagle3data.engine.start import start_engine
+from eagle3data.engine.start import EngineSettings, start_engine
 from eagle3data.regenerate.journal import Journal
-from eagle3data.engine.start import EngineSettings
 from eagle3data.regenerate.stage import RegenerateJob, RegenerateSettings, Regenerator, engine_settings, plan, run
 
 

@@ -251,12 +251,10 @@ def _fp8_reader(cur: dict) -> list[dict[str, float]]:
 def _store_rate(cur: dict, hardware: str) -> tuple[float, float]:
     """GB/s of raw states: what the store took from the engine ready to the last extract job's end, and
     what the engine makes at bare prefill's rate (the worst run to the packed dataset on `hardware`)."""
-    rate = _rate(cur, hardware)
-    run = load(MEASUREMENTS / rate.file)["measurements"]["end_to_end"]
-    raw, bare = run["footprint"]["raw_state_bytes"], load(MEASUREMENTS / rate.file)["measurements"]["extract"]
-    per_token = raw / run["tokens"]
-    return (raw / run["timeline"]["last_extract_end"] / 1e9,
-            per_token * bare["bare"]["tokens_per_second"] / 1e9)
+    measurements = load(MEASUREMENTS / _rate(cur, hardware).file)["measurements"]
+    run, bare = measurements["end_to_end"], measurements["extract"]["bare"]
+    raw = run["footprint"]["raw_state_bytes"]
+    return raw / run["timeline"]["last_extract_end"] / 1e9, raw / run["tokens"] * bare["tokens_per_second"] / 1e9
 
 
 def _span(values: list[float], digits: int = 2) -> str:

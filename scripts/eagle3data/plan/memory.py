@@ -1,9 +1,10 @@
 """Host memory the jobs declare (their `mem_mb`, what SLURM allocates). An extract or regenerate job: a
-base plus a share per engine GPU. A validate job: its own needs plus the parity gate's float32 reference of the checkpoint's first layers, which for a model of a few billion
-parameters is most of it. Planned from the checkpoint's safetensors headers when the workflow is read; a
-model a rule builds (the demo) is small and not there yet: the base alone. So is a checkpoint or a
-capture list the start's checks refuse (config.run_check.model_problems, in a screen before any job):
-planning does not pre-empt them with a traceback."""
+base plus a share per engine GPU. A validate job: its own needs plus the parity gate's float32 reference
+of the checkpoint's first layers, which for a model of a few billion parameters is most of it. Planned
+from the checkpoint's safetensors headers when the workflow is read; a model a rule builds (the demo) is
+small and not there yet: the base alone. So is a checkpoint or a capture list the start's checks refuse
+(config.run_check.model_problems, in a screen before any job): planning does not pre-empt them with a
+traceback."""
 
 from __future__ import annotations
 
